@@ -1,0 +1,44 @@
+# freepage: `make demo` (the baseline measurements) and `make test` (all tests).
+# Both install what they need first and can be run again at any time.
+SHELL := /bin/bash
+VENV := $(CURDIR)/.venv
+FREEPAGE := $(VENV)/bin/freepage
+PY := $(VENV)/bin/python
+export PATH := $(HOME)/.cargo/bin:$(PATH)
+
+.PHONY: all deps demo test test-lab test-guest test-kernel test-backend test-boot lint clean
+
+all: test
+
+deps:
+	@bash scripts/install-deps.sh
+
+demo: deps
+	$(FREEPAGE) demo
+
+test: deps lint test-lab test-guest test-kernel test-backend test-boot
+	@echo "make test: all passed"
+
+lint: deps
+	$(VENV)/bin/ruff check lab
+	$(VENV)/bin/mypy lab/freepage_lab
+
+test-lab: deps
+	$(VENV)/bin/pytest -q -m "not slow" lab/tests
+
+test-guest:
+	$(MAKE) -s -C guest OUT=$(CURDIR)/guest/build
+
+test-kernel: deps
+	$(FREEPAGE) series check
+	$(FREEPAGE) build --arch all --vanilla
+
+test-backend:
+	@if [ -f vhost-user-balloon/Cargo.toml ]; then $(MAKE) -C vhost-user-balloon test; \
+	else echo "vhost-user-balloon: not present yet"; fi
+
+test-boot: deps
+	$(VENV)/bin/pytest -q -m slow lab/tests
+
+clean:
+	rm -rf runs guest/build

@@ -1,0 +1,217 @@
+"""freepage: build kernels, boot guests, run scenarios, compare, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from . import guest as guest_mod
+from . import kernel, paths, scenarios
+from .context import RunContext
+from .runners import GuestConfig
+from .shell import LabError, Shell, StageResult
+
+DEFAULT_BOOT_SCRIPT = """uname -a
+grep -E 'MemTotal|MemFree' /proc/meminfo
+ls /sys/bus/virtio/drivers/virtio_balloon 2>/dev/null | grep -q virtio && echo balloon: bound
+populate --mib 16 --mode 4k --verify --tag boot
+"""
+
+
+def _parse_params(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise LabError(f"--param {item!r}: expected key=value")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def cmd_build(args: argparse.Namespace, shell: Shell) -> int:
+    arches = kernel.ARCHES if args.arch == "all" else (args.arch,)
+    results = []
+    for arch in arches:
+        spec = kernel.BuildSpec(arch, args.variant, not args.vanilla, tuple(args.fragment))
+        res, _ = kernel.build_stage(shell, spec)
+        results.append(res)
+    return report(results)
+
+
+def cmd_series(args: argparse.Namespace, shell: Shell) -> int:
+    if args.action == "tree":
+        kernel.materialise(shell, kernel.Series.load(), Path(args.dir))
+        print(f"work tree ready: {args.dir} (base tag freepage-base)")
+        return 0
+    if args.action == "export":
+        names = kernel.export(shell, Path(args.dir))
+        print(f"exported {len(names)} patches to {paths.PATCH_DIR}")
+        return 0
+    return report([kernel.check(shell, kernel.Series.load())])
+
+
+def cmd_boot(args: argparse.Namespace, shell: Shell) -> int:
+    ctx = RunContext.create(shell, f"boot-{args.platform}", platform=args.platform,
+                            accel=args.accel, patched=not args.vanilla, variant=args.variant)
+    script = Path(args.script).read_text() if args.script else DEFAULT_BOOT_SCRIPT
+    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("boot", script), mem_mib=args.mem,
+                      cmdline=args.cmdline or [])
+    guest = ctx.runner().guest(f"boot-{args.platform}", cfg, ctx.log("boot"))
+    start = time.monotonic()
+    if shell.dry_run:
+        guest.start()
+        return 0
+    with guest:
+        guest.wait_for(r"FREEPAGE-BOOTED", args.timeout)
+        booted = time.monotonic() - start
+        rc = guest.wait_exit(args.timeout)
+    print(guest.tail(60))
+    print(f"boot {args.platform}: booted in {booted:.1f} s, script exit {rc}, log {guest.log_path}")
+    return rc
+
+
+def cmd_run(args: argparse.Namespace, shell: Shell) -> int:
+    scenario = scenarios.get(args.scenario)
+    params = scenario.params(_parse_params(args.param))
+    ctx = RunContext.create(shell, f"{args.scenario}-{args.platform}", platform=args.platform,
+                            accel=args.accel, patched=not args.vanilla, variant=args.variant)
+    outcome = scenario.run(ctx, params)
+    print(outcome.table)
+    for p in outcome.plots:
+        print(f"plot: {p}")
+    print(f"results: {ctx.run_dir}")
+    return 0
+
+
+def medians(data: object, prefix: str = "") -> dict[str, float]:
+    """Every numeric 'median' in a result tree, keyed by its path."""
+    out: dict[str, float] = {}
+    if isinstance(data, dict):
+        for k, v in data.items():
+            path = f"{prefix}.{k}" if prefix else str(k)
+            if isinstance(v, (int, float)) and (k == "median" or prefix.endswith("median")):
+                out[path] = float(v)
+            else:
+                out.update(medians(v, path))
+    return out
+
+
+def cmd_compare(args: argparse.Namespace, shell: Shell) -> int:
+    del shell
+    runs = [Path(r) for r in args.runs]
+    loaded = []
+    for run in runs:
+        files = sorted(run.glob("*.json"))
+        if not files:
+            raise LabError(f"{run}: no result JSON files")
+        tree = {f.stem: json.loads(f.read_text()) for f in files}
+        loaded.append(medians(tree))
+    if len(loaded) == 1:
+        for k, v in sorted(loaded[0].items()):
+            print(f"{k:70s} {v:12.3f}")
+        return 0
+    a, b = loaded
+    print(f"{'metric (median)':70s} {'A':>10s} {'B':>10s} {'B/A':>7s}")
+    for k in sorted(set(a) & set(b)):
+        ratio = f"{b[k] / a[k]:.2f}" if a[k] else "n/a"
+        print(f"{k:70s} {a[k]:10.2f} {b[k]:10.2f} {ratio:>7s}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace, shell: Shell) -> int:
+    """Baseline of stock Linux 6.12 + stock QEMU: reclaim, realloc, migrate."""
+    ctx = RunContext.create(shell, "demo", platform="qemu", accel=args.accel, patched=False)
+    quick = {"reclaim": {"repeat": "1"}, "realloc": {"repeat": "1", "rounds": "2"},
+             "migrate": {"rounds": "2"}} if args.quick else {}
+    tables = []
+    for name in ("reclaim", "realloc", "migrate"):
+        scenario = scenarios.get(name)
+        print(f"== {name} ==", flush=True)
+        outcome = scenario.run(ctx, scenario.params(quick.get(name, {})))
+        print(outcome.table, flush=True)
+        tables.append(outcome.table)
+        for p in outcome.plots:
+            print(f"plot: {p}")
+    if not shell.dry_run:
+        (ctx.run_dir / "summary.txt").write_text("\n\n".join(tables) + "\n")
+    print(f"results: {ctx.run_dir}")
+    return 0
+
+
+def report(results: list[StageResult]) -> int:
+    for r in results:
+        print(f"[{r.status.upper():7s}] {r.name} ({r.elapsed_s:.1f} s) {r.detail}")
+    return 0 if all(r.ok for r in results) else 1
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="freepage", description=__doc__)
+    p.add_argument("--dry-run", action="store_true", help="print commands, run nothing")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def platform_opts(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--platform", choices=("uml", "qemu"), default="qemu")
+        sp.add_argument("--accel", choices=("auto", "tcg", "kvm"), default="auto",
+                        help="QEMU accelerator; auto uses KVM only if it is hardware KVM")
+        sp.add_argument("--vanilla", action="store_true", help="stock kernel, series not applied")
+        sp.add_argument("--variant", choices=kernel.VARIANTS, default="release")
+
+    b = sub.add_parser("build", help="build guest kernels (cached)")
+    b.add_argument("--arch", choices=(*kernel.ARCHES, "all"), default="all")
+    b.add_argument("--variant", choices=kernel.VARIANTS, default="release")
+    b.add_argument("--vanilla", action="store_true", help="do not apply kernel/patches")
+    b.add_argument("--fragment", action="append", default=[],
+                   help="extra config fragment from kernel/configs (repeatable)")
+    b.set_defaults(func=cmd_build)
+
+    s = sub.add_parser("series", help="patch queue: work tree, export, check")
+    s.add_argument("action", choices=("tree", "export", "check"))
+    s.add_argument("dir", nargs="?", default=str(paths.REPO / "kernel" / "tree"),
+                   help="git work tree (tree: created; export: read)")
+    s.set_defaults(func=cmd_series)
+
+    bt = sub.add_parser("boot", help="boot a guest and run a script")
+    platform_opts(bt)
+    bt.add_argument("--script", help="shell script to run in the guest")
+    bt.add_argument("--mem", type=int, default=512, help="guest RAM in MiB")
+    bt.add_argument("--timeout", type=float, default=120)
+    bt.add_argument("--cmdline", action="append", help="extra kernel command line word")
+    bt.set_defaults(func=cmd_boot)
+
+    r = sub.add_parser("run", help="run one scenario")
+    r.add_argument("scenario", choices=sorted(scenarios.registry()))
+    platform_opts(r)
+    r.add_argument("--param", action="append", default=[], help="key=value scenario parameter")
+    r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser("compare", help="print medians of one run, or A/B of two runs")
+    c.add_argument("runs", nargs="+", help="run directories (one or two)")
+    c.set_defaults(func=cmd_compare)
+
+    d = sub.add_parser("demo", help="the baseline: reclaim, realloc, migrate on stock Linux")
+    d.add_argument("--accel", choices=("auto", "tcg", "kvm"), default="auto")
+    d.add_argument("--quick", action="store_true", help="fewer repetitions")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    shell = Shell(dry_run=args.dry_run)
+    try:
+        return int(args.func(args, shell))
+    except LabError as exc:
+        print(f"freepage: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("freepage: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        guest_mod.kill_all()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""What every scenario needs: a shell, a run directory, kernels, an initramfs."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import initramfs, kernel, paths
+from .runners import Runner, make_runner
+from .shell import Shell
+
+
+@dataclass
+class RunContext:
+    shell: Shell
+    run_dir: Path
+    platform: str = "qemu"
+    accel: str = "auto"
+    patched: bool = False
+    variant: str = "release"
+    extra_fragments: tuple[str, ...] = ()
+    _kernels: dict[str, kernel.BuiltKernel] = field(default_factory=dict)
+    _base_initrd: Path | None = None
+
+    @classmethod
+    def create(cls, shell: Shell, label: str, **kw: object) -> RunContext:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run_dir = paths.runs_dir() / f"{stamp}-{label}"
+        if not shell.dry_run:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        return cls(shell=shell, run_dir=run_dir, **kw)  # type: ignore[arg-type]
+
+    @property
+    def arch(self) -> str:
+        return "um" if self.platform == "uml" else "x86_64"
+
+    def runner(self, platform: str | None = None) -> Runner:
+        return make_runner(platform or self.platform, self.shell, self.accel)
+
+    def kernel(self, platform: str | None = None, patched: bool | None = None) -> Path:
+        arch = "um" if (platform or self.platform) == "uml" else "x86_64"
+        want_patched = self.patched if patched is None else patched
+        spec = kernel.BuildSpec(arch, self.variant, want_patched,
+                                self.extra_fragments if want_patched else ())
+        if spec.label not in self._kernels:
+            self._kernels[spec.label] = kernel.build(self.shell, spec)
+        return self._kernels[spec.label].image
+
+    def initrd(self, name: str, script: str) -> Path:
+        if self._base_initrd is None:
+            self._base_initrd = initramfs.base_image(self.shell)
+        dest = self.run_dir / "initrd" / f"{name}.cpio"
+        if self.shell.dry_run:
+            return dest
+        return initramfs.with_script(self._base_initrd, script, dest)
+
+    def log(self, name: str) -> Path:
+        return self.run_dir / "logs" / f"{name}.log"
+
+    def save(self, name: str, data: dict) -> Path:
+        path = self.run_dir / f"{name}.json"
+        if not self.shell.dry_run:
+            path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        return path

@@ -1,0 +1,226 @@
+"""A running guest process: console capture, markers, timeouts, no orphans.
+
+Every guest runs in its own session (process group).  Whatever happens to
+the lab -- an exception, Ctrl-C, SIGTERM -- the group is killed, so UML's
+helper processes and QEMU never outlive the run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .initramfs import EXIT
+from .shell import LabError, Shell
+
+PANIC_RE = re.compile(r"Kernel panic - not syncing.*|BUG: .*|Oops: .*")
+
+_live: set[Guest] = set()
+_live_lock = threading.Lock()
+
+
+def kill_all() -> None:
+    with _live_lock:
+        guests = list(_live)
+    for g in guests:
+        g.kill()
+
+
+def _on_term(signum: int, _frame: object) -> None:
+    kill_all()
+    raise SystemExit(128 + signum)
+
+
+atexit.register(kill_all)
+if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, _on_term)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in a process group, from /proc."""
+    live = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(entry))
+    return live
+
+
+class GuestError(LabError):
+    pass
+
+
+@dataclass
+class ConsoleLine:
+    t: float  # host monotonic seconds
+    text: str
+
+
+class Guest:
+    """One guest process with its console captured line by line."""
+
+    def __init__(self, name: str, argv: Sequence[str], log: Path, shell: Shell,
+                 cwd: Path | None = None) -> None:
+        self.name = name
+        self.argv = [str(a) for a in argv]
+        self.log_path = log
+        self.shell = shell
+        self.cwd = cwd
+        self.lines: list[ConsoleLine] = []
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started = 0.0
+        self._cond = threading.Condition()
+        self._reader: threading.Thread | None = None
+        self._eof = False
+
+    # -- lifecycle ---------------------------------------------------------
+    def start(self) -> Guest:
+        self.shell.show(self.argv, self.cwd)
+        if self.shell.dry_run:
+            return self
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.proc = subprocess.Popen(
+                self.argv, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        except FileNotFoundError as exc:
+            raise LabError(f"{self.name}: {self.argv[0]} not found (run `make deps`)") from exc
+        self.started = time.monotonic()
+        with _live_lock:
+            _live.add(self)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        with open(self.log_path, "w", encoding="utf-8") as log:
+            for raw in self.proc.stdout:
+                text = raw.decode(errors="replace").rstrip("\r\n")
+                t = time.monotonic()
+                log.write(f"[{t - self.started:9.3f}] {text}\n")
+                log.flush()
+                with self._cond:
+                    self.lines.append(ConsoleLine(t, text))
+                    self._cond.notify_all()
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise LabError(f"{self.name} is not running")
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """SIGTERM the whole group, then SIGKILL what is left."""
+        if self.proc is None:
+            return
+        for sig, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=grace)
+                # the leader is gone; make sure no group member survived it
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        deadline = time.monotonic() + 3
+        while group_members(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._reader is not None:
+            self._reader.join(timeout=2)
+        with _live_lock:
+            _live.discard(self)
+
+    def __enter__(self) -> Guest:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+    # -- console -------------------------------------------------------------
+    def tail(self, n: int = 20) -> str:
+        with self._cond:
+            return "\n".join(f"    {ln.text}" for ln in self.lines[-n:])
+
+    def _fail(self, why: str) -> GuestError:
+        return GuestError(f"{self.name}: {why}; last console lines (full log {self.log_path}):\n"
+                          f"{self.tail()}")
+
+    def wait_for(self, pattern: str, timeout: float,
+                 start_index: int = 0) -> tuple[int, ConsoleLine, re.Match[str]]:
+        """Block until a console line matches; fail on panic, exit or timeout."""
+        if self.shell.dry_run:
+            raise LabError("dry run: not waiting for the guest")
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        i = start_index
+        with self._cond:
+            while True:
+                while i < len(self.lines):
+                    line = self.lines[i]
+                    m = rx.search(line.text)
+                    if m:
+                        return i, line, m
+                    if PANIC_RE.search(line.text):
+                        raise self._fail(f"guest kernel failed ({line.text.strip()})")
+                    i += 1
+                if self._eof:
+                    raise self._fail(f"guest stopped before printing /{pattern}/ "
+                                     f"(exit {self.proc.poll() if self.proc else '?'})")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._fail(f"timed out after {timeout:.0f} s waiting for /{pattern}/")
+                self._cond.wait(timeout=min(left, 0.5))
+
+    def wait_exit(self, timeout: float) -> int:
+        """Wait for the init's exit marker and the process to end; return the script's rc."""
+        _, _, m = self.wait_for(rf"^{EXIT} (\d+)", timeout)
+        assert self.proc is not None
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise self._fail("guest printed its exit marker but did not power off") from None
+        return int(m.group(1))
+
+    def json_records(self, prog: str | None = None) -> list[dict]:
+        out = []
+        with self._cond:
+            lines = list(self.lines)
+        for ln in lines:
+            text = ln.text.strip()
+            if not text.startswith('{"prog":'):
+                continue
+            try:
+                rec = json.loads(text)
+            except json.JSONDecodeError:
+                continue
+            if prog is None or rec.get("prog") == prog:
+                rec["_t"] = ln.t
+                out.append(rec)
+        return out

@@ -1,0 +1,127 @@
+"""Guest user space: a busybox initramfs plus a per-run overlay carrying the script.
+
+The kernel unpacks concatenated newc archives in order, so a run's script
+is a tiny second archive appended to the shared base image.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import paths
+from .shell import LabError, Shell
+
+BUSYBOX = Path("/bin/busybox")
+GUEST_PROGS = ("populate", "dirty")
+
+# Markers the host parses from the console.
+BOOTED = "FREEPAGE-BOOTED"
+EXIT = "FREEPAGE-EXIT"
+EVENT = "FREEPAGE-EVENT"
+
+INIT = f"""#!/bin/sh
+# freepage guest init: mount the basics, run /run.sh, report, halt.
+/bin/busybox --install -s /bin
+export PATH=/bin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev 2>/dev/null
+mount -t tmpfs tmpfs /tmp
+echo "{BOOTED} $(cut -d' ' -f1 /proc/uptime)"
+rc=0
+if [ -f /run.sh ]; then
+\tsh -e /run.sh
+\trc=$?
+fi
+echo "{EXIT} $rc"
+sync
+case " $(cat /proc/cmdline) " in
+*" fp.halt=reboot "*) reboot -f ;;
+*) poweroff -f ;;
+esac
+"""
+
+
+@dataclass
+class Entry:
+    name: str
+    mode: int
+    data: bytes = b""
+    rdev: tuple[int, int] = (0, 0)
+
+
+def newc(entries: list[Entry]) -> bytes:
+    """Serialise entries as a newc ("070701") cpio archive with trailer."""
+    out = io.BytesIO()
+
+    def pad(n: int) -> None:
+        out.write(b"\0" * ((4 - n % 4) % 4))
+
+    for ino, e in enumerate([*entries, Entry("TRAILER!!!", 0)], start=1):
+        name = e.name.encode() + b"\0"
+        fields = [ino, e.mode, 0, 0, 1, 0, len(e.data), 0, 0, e.rdev[0], e.rdev[1], len(name), 0]
+        header = b"070701" + b"".join(b"%08X" % f for f in fields)
+        out.write(header + name)
+        pad(len(header) + len(name))
+        out.write(e.data)
+        pad(len(e.data))
+    return out.getvalue()
+
+
+def _dir(name: str) -> Entry:
+    return Entry(name, stat.S_IFDIR | 0o755)
+
+
+def _file(name: str, data: bytes, mode: int = 0o755) -> Entry:
+    return Entry(name, stat.S_IFREG | mode, data)
+
+
+def base_entries(progs_dir: Path) -> list[Entry]:
+    if not BUSYBOX.exists():
+        raise LabError(f"{BUSYBOX} missing: install busybox-static (`make deps`)")
+    entries = [_dir(d) for d in ("bin", "dev", "proc", "sys", "tmp", "mnt", "etc")]
+    entries.append(Entry("dev/console", stat.S_IFCHR | 0o600, rdev=(5, 1)))
+    entries.append(Entry("dev/null", stat.S_IFCHR | 0o666, rdev=(1, 3)))
+    entries.append(_file("bin/busybox", BUSYBOX.read_bytes()))
+    entries.append(Entry("bin/sh", stat.S_IFLNK | 0o777, b"busybox"))
+    entries.append(_file("init", INIT.encode()))
+    for prog in GUEST_PROGS:
+        path = progs_dir / prog
+        if not path.exists():
+            raise LabError(f"guest program {path} missing (make -C guest)")
+        entries.append(_file(f"bin/{prog}", path.read_bytes()))
+    return entries
+
+
+def build_guest_programs(shell: Shell) -> Path:
+    out = paths.cache_dir() / "guest"
+    shell.run(["make", "-s", "-C", paths.GUEST_DIR, f"OUT={out}"], what="build guest programs")
+    return out
+
+
+def base_image(shell: Shell) -> Path:
+    """The shared initramfs, rebuilt only when its content changes."""
+    progs = build_guest_programs(shell)
+    if shell.dry_run:
+        return paths.cache_dir() / "initramfs" / "base-dry-run.cpio"
+    data = newc(base_entries(progs))
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    target = paths.cache_dir() / "initramfs" / f"base-{digest}.cpio"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.rename(target)
+    return target
+
+
+def with_script(base: Path, script: str, dest: Path) -> Path:
+    """base image + an overlay holding /run.sh -> dest."""
+    overlay = newc([_file("run.sh", script.encode())])
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_bytes(base.read_bytes() + overlay)
+    return dest

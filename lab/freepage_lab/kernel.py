@@ -1,0 +1,357 @@
+"""The kernel side of the lab: pristine base, patch queue, cached builds."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import paths
+from .shell import LabError, Shell, StageResult, timed
+
+ARCHES = ("um", "x86_64")
+VARIANTS = ("release", "debug")
+
+
+# --------------------------------------------------------------------------
+# Pristine base
+# --------------------------------------------------------------------------
+
+def base_version(shell: Shell) -> str:
+    """Debian package version of the pristine source, e.g. 6.12.117-1~deb12u1."""
+    out = shell.run(
+        ["dpkg-query", "-W", "-f=${Version}", paths.BASE_PACKAGE],
+        capture=True, what=f"dpkg-query {paths.BASE_PACKAGE}",
+    ) if not shell.dry_run else "dry-run"
+    if not out:
+        raise LabError(f"{paths.BASE_PACKAGE} is not installed: run `make deps`")
+    return out.strip()
+
+
+def base_tree(shell: Shell) -> Path:
+    """Extract the pristine source once; re-extract when the package changes."""
+    version = base_version(shell)
+    tree = paths.cache_dir() / "base" / "linux-source-6.12"
+    marker = tree / ".freepage-extracted"
+    if marker.exists() and marker.read_text().strip() == version:
+        return tree
+    if not paths.BASE_TARBALL.exists():
+        raise LabError(f"{paths.BASE_TARBALL} missing: install {paths.BASE_PACKAGE} (`make deps`)")
+    if tree.exists() and not shell.dry_run:
+        shutil.rmtree(tree)
+    tree.parent.mkdir(parents=True, exist_ok=True)
+    shell.run(["tar", "-C", tree.parent, "-xf", paths.BASE_TARBALL], what="extract kernel source")
+    if not shell.dry_run:
+        marker.write_text(version + "\n")
+    return tree
+
+
+# --------------------------------------------------------------------------
+# Patch queue
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Series:
+    """kernel/patches/series: the patch files to apply, in order."""
+
+    directory: Path
+    names: tuple[str, ...]
+
+    @classmethod
+    def load(cls, directory: Path = paths.PATCH_DIR) -> Series:
+        series = directory / "series"
+        if not series.exists():
+            return cls(directory, ())
+        names = []
+        for raw in series.read_text().splitlines():
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            if not (directory / line).is_file():
+                raise LabError(f"{series}: lists {line}, which does not exist")
+            names.append(line)
+        return cls(directory, tuple(names))
+
+    @classmethod
+    def empty(cls) -> Series:
+        return cls(paths.PATCH_DIR, ())
+
+    @property
+    def files(self) -> list[Path]:
+        return [self.directory / n for n in self.names]
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for f in self.files:
+            h.update(f.name.encode() + b"\0")
+            h.update(f.read_bytes())
+        return h.hexdigest()
+
+
+def applied_tree(shell: Shell, series: Series) -> Path:
+    """A source tree with the series applied, cached by the series hash.
+
+    Hard-linked to the base (GNU patch replaces files it changes, so the
+    base stays pristine), hence cheap in time and disk.
+    """
+    base = base_tree(shell)
+    if not series.names:
+        return base
+    tree = paths.cache_dir() / "src" / series.digest()[:16]
+    if (tree / ".freepage-applied").exists():
+        return tree
+    if tree.exists() and not shell.dry_run:
+        shutil.rmtree(tree)
+    tree.parent.mkdir(parents=True, exist_ok=True)
+    shell.run(["cp", "-al", base, tree], what="link base tree")
+    for patch in series.files:
+        shell.run(
+            ["patch", "-p1", "-N", "-s", "--no-backup-if-mismatch", "-d", tree, "-i", patch],
+            what=f"apply {patch.name}",
+        )
+    if not shell.dry_run:
+        (tree / ".freepage-applied").write_text("\n".join(series.names) + "\n")
+    return tree
+
+
+def materialise(shell: Shell, series: Series, dest: Path) -> None:
+    """A git work tree: base commit = pristine source, then one commit per patch."""
+    if dest.exists() and any(dest.iterdir()):
+        raise LabError(f"{dest} exists and is not empty; remove it or pick another --tree")
+    base = base_tree(shell)
+    shell.run(["cp", "-a", f"{base}/.", dest], what="copy base tree")
+    git: list[str | os.PathLike[str]] = ["git", "-C", dest, "-c", "user.name=freepage",
+                                         "-c", "user.email=dev@freepage.invalid"]
+    shell.run([*git, "init", "-q"], what="git init")
+    shell.run([*git, "add", "-A"], what="git add")
+    shell.run([*git, "commit", "-q", "-m", f"base: {paths.BASE_PACKAGE} {base_version(shell)}"],
+              what="git commit base")
+    shell.run([*git, "tag", "freepage-base"], what="git tag")
+    if series.files:
+        shell.run([*git, "am", "-q", *series.files], what="git am series")
+
+
+def export(shell: Shell, tree: Path, directory: Path = paths.PATCH_DIR) -> list[str]:
+    """Write the tree's commits since freepage-base back as the patch queue."""
+    if not shell.dry_run:
+        directory.mkdir(parents=True, exist_ok=True)
+        for old in directory.glob("*.patch"):
+            old.unlink()
+    count = shell.run(["git", "-C", tree, "rev-list", "--count", "freepage-base..HEAD"],
+                      capture=True, what="count commits").strip()
+    if count == "0":
+        names: list[str] = []
+    else:
+        shell.run(["git", "-C", tree, "format-patch", "-q", "--cover-letter", "-o", directory,
+                   "freepage-base..HEAD"], what="git format-patch")
+        names = sorted(p.name for p in directory.glob("*.patch") if not p.name.startswith("0000-"))
+    if not shell.dry_run:
+        (directory / "series").write_text("".join(n + "\n" for n in names))
+    return names
+
+
+def check(shell: Shell, series: Series) -> StageResult:
+    """The series applies to the pristine base and is checkpatch --strict clean."""
+    finish = timed("check")
+    with tempfile.TemporaryDirectory(prefix="freepage-check-") as tmp:
+        scratch = Path(tmp) / "tree"
+        base = base_tree(shell)
+        if series.names:
+            shell.run(["cp", "-al", base, scratch], what="link base tree")
+            for patch in series.files:
+                shell.run(["patch", "-p1", "-N", "-s", "--dry-run", "-d", scratch, "-i", patch],
+                          what=f"{patch.name} does not apply")
+                shell.run(["patch", "-p1", "-N", "-s", "--no-backup-if-mismatch",
+                           "-d", scratch, "-i", patch], what=f"apply {patch.name}")
+    problems = []
+    for patch in series.files:
+        try:
+            shell.run([base / "scripts" / "checkpatch.pl", "--strict", "--quiet",
+                       "--no-summary", patch], cwd=base, capture=True, what=f"checkpatch {patch.name}")
+        except LabError as exc:
+            problems.append(str(exc))
+    if problems:
+        return finish("failed", "\n".join(problems))
+    return finish("ok", f"{len(series.names)} patches apply and are checkpatch --strict clean")
+
+
+# --------------------------------------------------------------------------
+# Builds
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BuildSpec:
+    arch: str
+    variant: str = "release"
+    patched: bool = True
+    extra_fragments: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHES:
+            raise LabError(f"unknown arch {self.arch!r}; choose one of {', '.join(ARCHES)}")
+        if self.variant not in VARIANTS:
+            raise LabError(f"unknown variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
+
+    def fragments(self) -> list[Path]:
+        names = ["common.config", f"{self.arch}.config"]
+        if self.variant == "debug":
+            names.append("debug.config")
+        names += list(self.extra_fragments)
+        out = []
+        for name in names:
+            frag = paths.CONFIG_DIR / name
+            if not frag.is_file():
+                raise LabError(f"config fragment {frag} does not exist")
+            out.append(frag)
+        return out
+
+    @property
+    def label(self) -> str:
+        extra = "".join("+" + Path(f).stem for f in self.extra_fragments)
+        return f"{self.arch}-{self.variant}-{'patched' if self.patched else 'vanilla'}{extra}"
+
+
+@dataclass(frozen=True)
+class BuiltKernel:
+    spec: BuildSpec
+    out_dir: Path
+    image: Path
+    key: str
+
+
+def parse_fragment(text: str) -> dict[str, str]:
+    """CONFIG_FOO=y / # CONFIG_FOO is not set / CONFIG_FOO=n -> {FOO: value}."""
+    wanted: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        m = re.match(r"^(CONFIG_[A-Za-z0-9_]+)=(.*)$", line)
+        if m:
+            wanted[m.group(1)] = m.group(2)
+            continue
+        m = re.match(r"^# (CONFIG_[A-Za-z0-9_]+) is not set$", line)
+        if m:
+            wanted[m.group(1)] = "n"
+    return wanted
+
+
+def config_mismatches(wanted: dict[str, str], final: dict[str, str]) -> list[str]:
+    """Options a fragment asked for that Kconfig dropped (usually a missing dependency)."""
+    bad = []
+    for opt, val in sorted(wanted.items()):
+        got = final.get(opt, "n")
+        if val != got:
+            bad.append(f"{opt}: wanted {val}, got {got}")
+    return bad
+
+
+def build_key(spec: BuildSpec, version: str, series: Series) -> str:
+    h = hashlib.sha256()
+    h.update(f"{version}\0{spec.arch}\0{spec.variant}\0".encode())
+    h.update((series.digest() if spec.patched else "vanilla").encode())
+    for frag in spec.fragments():
+        h.update(frag.name.encode() + b"\0" + frag.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def make_argv(src: Path, out: Path, arch: str, *targets: str, jobs: int | None = None) -> list[str]:
+    argv = ["make", "-C", str(src), f"O={out}", f"ARCH={arch}"]
+    if jobs:
+        argv.append(f"-j{jobs}")
+    return argv + list(targets)
+
+
+def image_path(out: Path, arch: str) -> Path:
+    return out / "linux" if arch == "um" else out / "arch" / "x86" / "boot" / "bzImage"
+
+
+def build(shell: Shell, spec: BuildSpec, series: Series | None = None) -> BuiltKernel:
+    """Configure and build, or return the cached build for the same inputs."""
+    series = series if series is not None else (Series.load() if spec.patched else Series.empty())
+    if not spec.patched:
+        series = Series.empty()
+    version = base_version(shell)
+    key = build_key(spec, version, series)
+    out = paths.cache_dir() / "build" / f"{spec.label}-{key}"
+    image = image_path(out, spec.arch)
+    if (out / ".freepage-done").exists() and image.exists():
+        print(f"build {spec.label}: cached ({out})", flush=True)
+        return BuiltKernel(spec, out, image, key)
+    src = applied_tree(shell, series)
+    if out.exists() and not shell.dry_run:
+        shutil.rmtree(out)
+    if not shell.dry_run:
+        out.mkdir(parents=True)
+    base_target = "tinyconfig" if spec.arch == "x86_64" else "defconfig"
+    shell.run(make_argv(src, out, spec.arch, base_target), log=out / "config.log",
+              what=f"make {base_target}")
+    fragments = spec.fragments()
+    shell.run([src / "scripts" / "kconfig" / "merge_config.sh", "-m", "-O", out,
+               out / ".config", *fragments], cwd=src, log=out / "merge.log",
+              what="merge config fragments")
+    shell.run(make_argv(src, out, spec.arch, "olddefconfig"), log=out / "olddefconfig.log",
+              what="make olddefconfig")
+    if not shell.dry_run:
+        wanted: dict[str, str] = {}
+        for frag in fragments:
+            wanted.update(parse_fragment(frag.read_text()))
+        bad = config_mismatches(wanted, parse_fragment((out / ".config").read_text()))
+        if bad:
+            raise LabError(f"kernel config {spec.label}: fragment options did not stick:\n  "
+                           + "\n  ".join(bad))
+    jobs = os.cpu_count() or 2
+    log = out / "build.log"
+    argv = make_argv(src, out, spec.arch, jobs=jobs)
+    shell.show(argv)
+    if shell.dry_run:
+        return BuiltKernel(spec, out, image, key)
+    start = time.monotonic()
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        stop = threading.Event()
+        ticker = threading.Thread(target=_progress, args=(spec.label, log, stop, start), daemon=True)
+        ticker.start()
+        try:
+            rc = proc.wait()
+        except BaseException:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            raise
+        finally:
+            stop.set()
+    if rc != 0:
+        errors = [ln for ln in log.read_text(errors="replace").splitlines()
+                  if "error" in ln.lower()][:15]
+        raise LabError(f"kernel build {spec.label} failed (exit {rc}); see {log}\n"
+                       + "\n".join(errors))
+    if not image.exists():
+        raise LabError(f"kernel build {spec.label} produced no {image}")
+    (out / ".freepage-done").write_text(f"{time.monotonic() - start:.1f}\n")
+    print(f"build {spec.label}: done in {time.monotonic() - start:.0f} s ({image})", flush=True)
+    return BuiltKernel(spec, out, image, key)
+
+
+def _progress(label: str, log: Path, stop: threading.Event, start: float) -> None:
+    while not stop.wait(15):
+        try:
+            lines = log.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        last = lines[-1].strip() if lines else ""
+        print(f"  build {label}: {time.monotonic() - start:4.0f} s, {len(lines)} steps, {last[:70]}",
+              flush=True)
+
+
+def build_stage(shell: Shell, spec: BuildSpec) -> tuple[StageResult, BuiltKernel | None]:
+    finish = timed(f"build {spec.label}")
+    try:
+        kernel = build(shell, spec)
+    except LabError as exc:
+        return finish("failed", str(exc)), None
+    return finish("ok", str(kernel.image)), kernel

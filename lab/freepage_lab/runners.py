@@ -1,0 +1,219 @@
+"""UML and QEMU behind one interface: build a command line, boot, measure footprint."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .guest import Guest
+from .shell import LabError, Shell
+
+
+@dataclass
+class GuestConfig:
+    """What a scenario asks of a guest, independent of the platform."""
+
+    kernel: Path
+    initrd: Path
+    mem_mib: int = 2048
+    cmdline: list[str] = field(default_factory=list)
+    # virtio-balloon with free page reporting (QEMU) / vhost-user socket (UML)
+    balloon: bool = True
+    free_page_reporting: bool = True
+    free_page_hint: bool = False
+    vhost_user_balloon: Path | None = None
+    qmp_socket: Path | None = None
+    incoming: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+
+class Runner(ABC):
+    name: str
+
+    def __init__(self, shell: Shell) -> None:
+        self.shell = shell
+
+    @abstractmethod
+    def argv(self, cfg: GuestConfig) -> list[str]: ...
+
+    @abstractmethod
+    def footprint_bytes(self, guest: Guest) -> int:
+        """Host memory the guest's RAM costs right now."""
+
+    def guest(self, name: str, cfg: GuestConfig, log: Path) -> Guest:
+        return Guest(name, self.argv(cfg), log, self.shell)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set of one process from /proc (VmRSS)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return 0
+
+
+class UmlRunner(Runner):
+    """User-Mode Linux: the kernel is a host process; RAM is a (deleted) shared file."""
+
+    name = "uml"
+
+    def argv(self, cfg: GuestConfig) -> list[str]:
+        argv = [str(cfg.kernel), f"mem={cfg.mem_mib}M", f"initrd={cfg.initrd}",
+                "con=null", "con0=null,fd:1", "console=tty0", "fp.halt=poweroff"]
+        if cfg.vhost_user_balloon is not None:
+            argv.append(f"virtio_uml.device={cfg.vhost_user_balloon}:5")
+        return argv + cfg.cmdline + cfg.extra_args
+
+    def footprint_bytes(self, guest: Guest) -> int:
+        """Allocated blocks of UML's physical-memory file (held open, unlinked)."""
+        mem = uml_memory_file(guest.pid)
+        if mem is None:
+            return 0
+        try:
+            return os.stat(mem).st_blocks * 512
+        except OSError:
+            return 0
+
+
+def uml_memory_file(pid: int) -> str | None:
+    """The largest deleted regular file UML maps: its physical memory."""
+    best, best_size = None, -1
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return None
+    for fd in fds:
+        path = f"{fd_dir}/{fd}"
+        try:
+            target = os.readlink(path)
+            st = os.stat(path)
+        except OSError:
+            continue
+        if target.endswith("(deleted)") and st.st_size > best_size:
+            best, best_size = path, st.st_size
+    return best
+
+
+def kvm_usable() -> tuple[bool, str]:
+    """Hardware KVM only: PVM (software nested virtualisation) does not boot stock Linux."""
+    if not os.path.exists("/dev/kvm"):
+        return False, "no /dev/kvm"
+    if os.path.isdir("/sys/module/kvm_pvm"):
+        return False, "/dev/kvm is PVM (kvm_pvm loaded), which does not run stock Linux guests"
+    if not any(os.path.isdir(f"/sys/module/{m}") for m in ("kvm_intel", "kvm_amd")):
+        return False, "/dev/kvm present but neither kvm_intel nor kvm_amd is loaded"
+    return True, "hardware KVM"
+
+
+class QemuRunner(Runner):
+    """QEMU x86_64, TCG unless hardware KVM really works."""
+
+    name = "qemu"
+
+    def __init__(self, shell: Shell, accel: str = "auto") -> None:
+        super().__init__(shell)
+        if accel == "auto":
+            ok, why = kvm_usable()
+            accel = "kvm" if ok else "tcg"
+            self.accel_reason = why
+        elif accel == "kvm":
+            ok, why = kvm_usable()
+            if not ok:
+                raise LabError(f"--accel kvm refused: {why}")
+            self.accel_reason = why
+        else:
+            self.accel_reason = "asked for"
+        self.accel = accel
+
+    def argv(self, cfg: GuestConfig) -> list[str]:
+        append = " ".join(["console=ttyS0", "panic=-1", "fp.halt=reboot", "quiet",
+                           "loglevel=4", *cfg.cmdline])
+        argv = ["qemu-system-x86_64", "-machine", f"pc,accel={self.accel}",
+                "-cpu", "max" if self.accel == "tcg" else "host", "-smp", "1",
+                "-m", f"{cfg.mem_mib}M", "-kernel", str(cfg.kernel), "-initrd", str(cfg.initrd),
+                "-append", append, "-display", "none", "-monitor", "none",
+                "-serial", "stdio", "-no-reboot", "-nodefaults"]
+        if cfg.balloon:
+            dev = "virtio-balloon-pci,id=balloon0"
+            if cfg.free_page_reporting:
+                dev += ",free-page-reporting=on"
+            if cfg.free_page_hint:
+                argv += ["-object", "iothread,id=balloon-io"]
+                dev += ",free-page-hint=on,iothread=balloon-io"
+            argv += ["-device", dev]
+        if cfg.qmp_socket is not None:
+            argv += ["-qmp", f"unix:{cfg.qmp_socket},server=on,wait=off"]
+        if cfg.incoming is not None:
+            argv += ["-incoming", cfg.incoming]
+        return argv + cfg.extra_args
+
+    def footprint_bytes(self, guest: Guest) -> int:
+        return rss_bytes(guest.pid)
+
+
+def make_runner(name: str, shell: Shell, accel: str = "auto") -> Runner:
+    if name == "uml":
+        return UmlRunner(shell)
+    if name == "qemu":
+        return QemuRunner(shell, accel)
+    raise LabError(f"unknown platform {name!r}: choose uml or qemu")
+
+
+class Qmp:
+    """Minimal QMP client: one command at a time, events kept aside."""
+
+    def __init__(self, path: Path, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.sock.connect(str(path))
+                break
+            except OSError as exc:
+                self.sock.close()
+                if time.monotonic() > deadline:
+                    raise LabError(f"QMP socket {path} did not come up: {exc}") from exc
+                time.sleep(0.1)
+        self.sock.settimeout(timeout)
+        self.file = self.sock.makefile("rwb")
+        self.events: list[dict] = []
+        self._read()  # greeting
+        self.execute("qmp_capabilities")
+
+    def _read(self) -> dict:
+        line = self.file.readline()
+        if not line:
+            raise LabError("QMP connection closed")
+        return json.loads(line)
+
+    def execute(self, command: str, **arguments: object) -> object:
+        msg: dict[str, object] = {"execute": command}
+        if arguments:
+            msg["arguments"] = arguments
+        self.file.write(json.dumps(msg).encode() + b"\n")
+        self.file.flush()
+        while True:
+            reply = self._read()
+            if "event" in reply:
+                self.events.append(reply)
+                continue
+            if "error" in reply:
+                raise LabError(f"QMP {command}: {reply['error'].get('desc', reply['error'])}")
+            return reply.get("return")
+
+    def close(self) -> None:
+        try:
+            self.file.close()
+            self.sock.close()
+        except OSError:
+            pass

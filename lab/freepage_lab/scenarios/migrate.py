@@ -1,0 +1,156 @@
+"""migrate: live migration of a mostly-free guest, with and without free page hinting.
+
+The guest fills most of its RAM with non-zero data and frees it (QEMU sends
+all-zero pages almost for free, so freed memory must hold data, as it does
+in real workloads).  Free page reporting is off, so the freed memory stays
+resident on the host; what the hint saves is then visible.  A source and a
+destination QEMU migrate over loopback TCP; QEMU reports time, downtime and
+bytes.  Workloads: an idle guest, and one that keeps dirtying 256 MiB.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import asdict, dataclass
+
+from ..context import RunContext
+from ..initramfs import EVENT
+from ..runners import GuestConfig, Qmp
+from ..shell import LabError
+from ..stats import median_ratio, summarise
+from . import Outcome, Scenario, table
+
+VARIANTS = ("no-hint", "hint")
+MIB = 1 << 20
+
+
+@dataclass
+class MigrateParams:
+    mem_mib: int = 1024
+    fill_mib: int = 700
+    dirty_mib: int = 256
+    dirty_pace_ms: int = 1000
+    workloads: tuple[str, ...] = ("idle", "dirty")
+    rounds: int = 5
+    max_bandwidth_mib_s: int = 4096
+    downtime_limit_ms: int = 300
+    timeout_s: int = 180
+
+
+def guest_script(p: MigrateParams, workload: str) -> str:
+    lines = [f"populate --mib {p.fill_mib} --mode 4k --fill 0xa5 --tag fill"]
+    if workload == "dirty":
+        lines.append(f"dirty --mib {p.dirty_mib} --pace-ms {p.dirty_pace_ms} &")
+        lines.append("sleep 1")
+    lines += [f"echo {EVENT} ready", "sleep 100000"]
+    return "\n".join(lines) + "\n"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Migrate(Scenario):
+    name = "migrate"
+    Params = MigrateParams
+
+    def one(self, ctx: RunContext, params: MigrateParams, workload: str, variant: str, rnd: int) -> dict:
+        runner = ctx.runner()
+        initrd = ctx.initrd(f"migrate-{workload}", guest_script(params, workload))
+        port = free_port()
+        tag = f"migrate-{workload}-{variant}-{rnd}"
+        common = dict(kernel=ctx.kernel(), initrd=initrd, mem_mib=params.mem_mib,
+                      free_page_reporting=False, free_page_hint=(variant == "hint"))
+        src_cfg = GuestConfig(**common, qmp_socket=ctx.run_dir / f"{tag}-src.qmp")  # type: ignore[arg-type]
+        dst_cfg = GuestConfig(**common, qmp_socket=ctx.run_dir / f"{tag}-dst.qmp",  # type: ignore[arg-type]
+                              incoming=f"tcp:127.0.0.1:{port}")
+        src = runner.guest(f"{tag}-src", src_cfg, ctx.log(f"{tag}-src"))
+        dst = runner.guest(f"{tag}-dst", dst_cfg, ctx.log(f"{tag}-dst"))
+        if ctx.shell.dry_run:
+            src.start()
+            dst.start()
+            return {}
+        with src, dst:
+            src.wait_for(rf"^{EVENT} ready$", params.timeout_s)
+            qs, qd = Qmp(src_cfg.qmp_socket), Qmp(dst_cfg.qmp_socket)  # type: ignore[arg-type]
+            try:
+                qs.execute("migrate-set-capabilities", capabilities=[
+                    {"capability": "auto-converge", "state": True}])
+                qs.execute("migrate-set-parameters",
+                           **{"max-bandwidth": params.max_bandwidth_mib_s * MIB,
+                              "downtime-limit": params.downtime_limit_ms})
+                qs.execute("migrate", uri=f"tcp:127.0.0.1:{port}")
+                deadline = time.monotonic() + params.timeout_s
+                while True:
+                    info = qs.execute("query-migrate")
+                    assert isinstance(info, dict)
+                    status = info.get("status")
+                    if status == "completed":
+                        break
+                    if status in ("failed", "cancelled"):
+                        raise LabError(f"{tag}: migration {status}: {info.get('error-desc', '')}")
+                    if time.monotonic() > deadline:
+                        qs.execute("migrate_cancel")
+                        raise LabError(f"{tag}: migration did not complete in "
+                                       f"{params.timeout_s} s (last status {status})")
+                    time.sleep(0.1)
+                state = qd.execute("query-status")
+                assert isinstance(state, dict)
+                if state.get("status") != "running":
+                    raise LabError(f"{tag}: destination is {state.get('status')}, not running")
+            finally:
+                qs.close()
+                qd.close()
+        ram = info.get("ram", {})
+        return {
+            "total_time_ms": info.get("total-time"),
+            "downtime_ms": info.get("downtime"),
+            "setup_time_ms": info.get("setup-time"),
+            "transferred_mib": ram.get("transferred", 0) / MIB,
+            "normal_pages": ram.get("normal"),
+            "zero_pages": ram.get("duplicate"),
+            "dirty_sync_count": ram.get("dirty-sync-count"),
+        }
+
+    def run(self, ctx: RunContext, params: MigrateParams) -> Outcome:
+        if ctx.platform != "qemu":
+            raise LabError("migrate needs QEMU: run it with --platform qemu")
+        results: dict[str, dict[str, list[dict]]] = {
+            w: {v: [] for v in VARIANTS} for w in params.workloads}
+        for rnd in range(params.rounds):
+            for workload in params.workloads:
+                order = VARIANTS if rnd % 2 == 0 else VARIANTS[::-1]
+                for variant in order:
+                    rec = self.one(ctx, params, workload, variant, rnd)
+                    if rec:
+                        results[workload][variant].append(rec)
+        if ctx.shell.dry_run:
+            return Outcome(self.name, {}, "(dry run)")
+        data: dict = {"platform": ctx.platform, "params": asdict(params), "workloads": {}}
+        rows = []
+        for w in params.workloads:
+            entry: dict = {"raw": results[w]}
+            for metric in ("total_time_ms", "downtime_ms", "transferred_mib"):
+                vals = {v: [float(r[metric]) for r in results[w][v]] for v in VARIANTS}
+                entry[metric] = {v: summarise(vals[v]).as_dict() for v in VARIANTS}
+                entry[metric]["ratio_hint_over_no_hint"] = median_ratio(
+                    vals["no-hint"], vals["hint"]).as_dict()
+            data["workloads"][w] = entry
+            for v in VARIANTS:
+                rows.append([w, v] + [f"{entry[m][v]['median']:.0f} "
+                                      f"[{entry[m][v]['p25']:.0f}-{entry[m][v]['p75']:.0f}]"
+                                      for m in ("total_time_ms", "downtime_ms",
+                                                "transferred_mib")] + [entry["total_time_ms"][v]["n"]])
+            r = entry["total_time_ms"]["ratio_hint_over_no_hint"]
+            t = entry["transferred_mib"]["ratio_hint_over_no_hint"]
+            rows.append([w, "hint/no-hint", f"{r['ratio']:.2f}x [{r['lo']:.2f}, {r['hi']:.2f}]", "",
+                         f"{t['ratio']:.2f}x [{t['lo']:.2f}, {t['hi']:.2f}]", ""])
+        text = (f"migrate ({ctx.platform}, guest {params.mem_mib} MiB, {params.fill_mib} MiB "
+                "filled then freed, loopback; median [p25-p75])\n"
+                + table(["workload", "variant", "total ms", "downtime ms", "transferred MiB", "n"],
+                        rows))
+        ctx.save("migrate", data)
+        return Outcome(self.name, data, text)

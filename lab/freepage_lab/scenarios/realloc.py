@@ -1,0 +1,113 @@
+"""realloc: populate memory the host discarded (reported) vs memory it still backs.
+
+Two guests alternate, identical but for the balloon's free page reporting.
+Each first touches most of its RAM with data and frees it, so every later
+populate lands on memory the host has backed once.  Then, per mode and
+repetition: populate with data, free, wait long enough for reporting, and
+time a populate of the same size.  On the reporting guest that populate
+faults in pages the host must find and zero again ("double zeroing"); on the
+other it only pays the guest's own zeroing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..context import RunContext
+from ..initramfs import EVENT
+from ..plot import bar_plot
+from ..runners import GuestConfig
+from ..shell import LabError
+from ..stats import median_ratio, summarise
+from . import Outcome, Scenario, table
+
+VARIANTS = ("backed", "reported")
+
+
+@dataclass
+class ReallocParams:
+    mem_mib: int = 2048
+    populate_mib: int = 512
+    prefault_mib: int = 1536
+    modes: tuple[str, ...] = ("4k", "thp")
+    repeat: int = 3
+    rounds: int = 2
+    wait_s: int = 7
+    timeout_s: int = 600
+
+
+def guest_script(p: ReallocParams) -> str:
+    lines = [
+        "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled",
+        f"populate --mib {p.prefault_mib} --mode 4k --fill 1 --tag prefault",
+        f"sleep {p.wait_s}",
+    ]
+    for mode in p.modes:
+        for _ in range(p.repeat):
+            lines += [
+                f"populate --mib {p.populate_mib} --mode {mode} --fill 0x5a --tag warm",
+                f"sleep {p.wait_s}",
+                f"populate --mib {p.populate_mib} --mode {mode} --verify --tag measure",
+            ]
+    lines.append(f"echo {EVENT} done")
+    return "\n".join(lines) + "\n"
+
+
+class Realloc(Scenario):
+    name = "realloc"
+    Params = ReallocParams
+
+    def run(self, ctx: RunContext, params: ReallocParams) -> Outcome:
+        if ctx.platform != "qemu":
+            raise LabError("realloc needs THP in the guest: run it with --platform qemu")
+        runner = ctx.runner()
+        initrd = ctx.initrd("realloc", guest_script(params))
+        samples: dict[str, dict[str, list[dict]]] = {v: {m: [] for m in params.modes}
+                                                     for v in VARIANTS}
+        for rnd in range(params.rounds):
+            order = VARIANTS if rnd % 2 == 0 else VARIANTS[::-1]
+            for variant in order:
+                cfg = GuestConfig(kernel=ctx.kernel(), initrd=initrd, mem_mib=params.mem_mib,
+                                  free_page_reporting=(variant == "reported"))
+                guest = runner.guest(f"realloc-{variant}-{rnd}", cfg,
+                                     ctx.log(f"realloc-{variant}-{rnd}"))
+                if ctx.shell.dry_run:
+                    guest.start()
+                    continue
+                with guest:
+                    rc = guest.wait_exit(params.timeout_s)
+                if rc != 0:
+                    raise LabError(f"realloc: guest script failed (exit {rc}); see {guest.log_path}")
+                for rec in guest.json_records("populate"):
+                    if rec["tag"] == "measure":
+                        if rec["nonzero_bytes"]:
+                            raise LabError(f"realloc: {rec['nonzero_bytes']} non-zero bytes in "
+                                           f"freshly populated memory ({guest.log_path})")
+                        samples[variant][rec["mode"]].append(rec)
+        if ctx.shell.dry_run:
+            return Outcome(self.name, {}, "(dry run)")
+        data: dict = {"platform": ctx.platform, "params": asdict(params), "modes": {}}
+        rows = []
+        for mode in params.modes:
+            ms = {v: [r["populate_ns"] / 1e6 for r in samples[v][mode]] for v in VARIANTS}
+            cpu = {v: [r["populate_cpu_ns"] / 1e6 for r in samples[v][mode]] for v in VARIANTS}
+            ratio = median_ratio(ms["backed"], ms["reported"])
+            data["modes"][mode] = {
+                "populate_ms": {v: summarise(ms[v]).as_dict() for v in VARIANTS},
+                "populate_cpu_ms": {v: summarise(cpu[v]).as_dict() for v in VARIANTS},
+                "ratio_reported_over_backed": ratio.as_dict(),
+                "raw_ms": ms,
+            }
+            b, r = summarise(ms["backed"]), summarise(ms["reported"])
+            rows.append([mode, f"{b.median:.0f} [{b.p25:.0f}-{b.p75:.0f}]",
+                         f"{r.median:.0f} [{r.p25:.0f}-{r.p75:.0f}]", str(ratio), b.n])
+        plot = ctx.run_dir / "realloc.png"
+        bar_plot(plot, {m: {v: data["modes"][m]["populate_ms"][v]["median"] for v in VARIANTS}
+                        for m in params.modes},
+                 "populate time (ms, median)",
+                 f"populate {params.populate_mib} MiB: host-backed vs reported memory")
+        text = (f"realloc ({ctx.platform}, {params.populate_mib} MiB populate, median [p25-p75] "
+                f"ms, ratio with bootstrap 95% CI)\n"
+                + table(["mode", "backed ms", "reported ms", "reported/backed", "n"], rows))
+        ctx.save("realloc", data)
+        return Outcome(self.name, data, text, [str(plot)])

@@ -1,0 +1,60 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from freepage_lab.footprint import Sample, analyse_reclaim, settle_time, value_at
+
+DATA = Path(__file__).parent / "data"
+MIB = 1 << 20
+
+
+def synthetic():
+    # 1 s flat at 600 MiB, freed at t=1, reporting starts at 3 s and drops 100 MiB/s to 100 MiB
+    out = []
+    t = 0.0
+    while t < 15:
+        if t < 3:
+            v = 600
+        else:
+            v = max(100, 600 - 100 * (t - 3))
+        out.append(Sample(t, int(v * MIB)))
+        t += 0.05
+    return out
+
+
+def test_reclaim_times_and_fraction():
+    r = analyse_reclaim(synthetic(), 1.0, 512 * MIB)
+    assert r.t50_s == pytest.approx(2 + 2.56, abs=0.06)
+    assert r.t90_s == pytest.approx(2 + 4.61, abs=0.06)
+    assert r.fraction == pytest.approx(500 / 512, abs=0.01)
+    assert r.settled_s is not None and r.settled_s == pytest.approx(7.0, abs=0.1)
+
+
+def test_never_reclaimed_has_no_times():
+    flat = [Sample(t / 10, 500 * MIB) for t in range(100)]
+    r = analyse_reclaim(flat, 1.0, 256 * MIB)
+    assert r.t50_s is None and r.t90_s is None and r.fraction == 0
+
+
+def test_settle_needs_a_full_window():
+    s = [Sample(t / 10, 1) for t in range(10)]
+    assert settle_time(s, 0.0, window=3.0) is None
+
+
+def test_value_at():
+    s = [Sample(0, 1), Sample(1, 2), Sample(2, 3)]
+    assert value_at(s, 1.5) == 2 and value_at(s, -1) == 1
+
+
+@pytest.mark.skipif(not (DATA / "reclaim-qemu.json").exists(), reason="no recorded run")
+def test_recorded_qemu_timeline_reanalyses_to_the_saved_result():
+    data = json.loads((DATA / "reclaim-qemu.json").read_text())
+    tl = data["timeline"]
+    samples = [Sample(t, int(m * MIB)) for t, m in zip(tl["t_s"], tl["footprint_mib"])]
+    first = data["rounds"][0]
+    end = data["rounds"][1]["t_freed_s"] if len(data["rounds"]) > 1 else float("inf")
+    r = analyse_reclaim([s for s in samples if s.t < end], first["t_freed_s"],
+                        first["freed_bytes"])
+    assert r.fraction == pytest.approx(first["fraction"], abs=0.01)
+    assert r.fraction >= 0.8

@@ -1,0 +1,49 @@
+"""Guest console handling, driven by a fake guest replaying a recorded log."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from freepage_lab.guest import Guest, GuestError, group_members
+from freepage_lab.shell import Shell
+
+DATA = Path(__file__).parent / "data"
+
+
+def replay(tmp_path, log: Path, then: str = "") -> Guest:
+    code = (f"import sys,time\nfor l in open({str(log)!r}):\n"
+            "    sys.stdout.write(l); sys.stdout.flush()\n" + then)
+    return Guest("fake", [sys.executable, "-c", code], tmp_path / "console.log", Shell(quiet=True))
+
+
+def test_exit_marker_and_json_records(tmp_path):
+    with replay(tmp_path, DATA / "console-ok.log") as g:
+        assert g.wait_exit(10) == 0
+        recs = g.json_records("populate")
+    assert len(recs) == 2 and recs[0]["mode"] == "4k" and recs[1]["nonzero_bytes"] == 0
+
+
+def test_panic_is_reported_with_console_tail(tmp_path):
+    with replay(tmp_path, DATA / "console-panic.log", "time.sleep(30)\n") as g:
+        with pytest.raises(GuestError, match="Kernel panic") as exc:
+            g.wait_exit(10)
+    assert "No working init found" in str(exc.value)
+
+
+def test_hang_times_out_and_kills_the_group(tmp_path):
+    g = replay(tmp_path, DATA / "console-ok.log", "import subprocess\n"
+               "subprocess.Popen(['sleep', '60']); time.sleep(60)\n")
+    with g:
+        with pytest.raises(GuestError, match="timed out"):
+            g.wait_for("never printed", 1.0)
+        pgid = g.pid
+    assert group_members(pgid) == []  # nothing survived, not even the grandchild
+
+
+def test_guest_that_dies_without_marker(tmp_path):
+    log = tmp_path / "short.log"
+    log.write_text("booting\n")
+    with replay(tmp_path, log, "sys.exit(3)\n") as g:
+        with pytest.raises(GuestError, match="stopped before"):
+            g.wait_exit(10)

@@ -1,0 +1,64 @@
+from pathlib import Path
+
+import pytest
+
+from freepage_lab import kernel, paths
+from freepage_lab.shell import LabError
+
+
+def test_parse_fragment_reads_values_and_not_set():
+    text = "CONFIG_A=y\n# CONFIG_B is not set\nCONFIG_C=n\nCONFIG_D=\"x\"\n# comment\n"
+    assert kernel.parse_fragment(text) == {
+        "CONFIG_A": "y", "CONFIG_B": "n", "CONFIG_C": "n", "CONFIG_D": '"x"'}
+
+
+def test_config_mismatches_names_dropped_options():
+    wanted = {"CONFIG_A": "y", "CONFIG_B": "n", "CONFIG_C": "y"}
+    final = {"CONFIG_A": "y", "CONFIG_C": "m"}
+    assert kernel.config_mismatches(wanted, final) == ["CONFIG_C: wanted y, got m"]
+
+
+def test_make_argv_uses_out_of_tree_build():
+    argv = kernel.make_argv(Path("/src"), Path("/out"), "um", "olddefconfig", jobs=2)
+    assert argv == ["make", "-C", "/src", "O=/out", "ARCH=um", "-j2", "olddefconfig"]
+
+
+def test_image_path_per_arch():
+    assert kernel.image_path(Path("/o"), "um") == Path("/o/linux")
+    assert kernel.image_path(Path("/o"), "x86_64") == Path("/o/arch/x86/boot/bzImage")
+
+
+def test_build_key_depends_on_series_variant_and_version(tmp_path):
+    (tmp_path / "a.patch").write_text("one")
+    series = kernel.Series(tmp_path, ("a.patch",))
+    spec = kernel.BuildSpec("um")
+    k1 = kernel.build_key(spec, "6.12.1", series)
+    assert k1 == kernel.build_key(spec, "6.12.1", series)
+    assert k1 != kernel.build_key(spec, "6.12.2", series)
+    assert k1 != kernel.build_key(kernel.BuildSpec("um", "debug"), "6.12.1", series)
+    (tmp_path / "a.patch").write_text("two")
+    assert k1 != kernel.build_key(spec, "6.12.1", series)
+    vanilla = kernel.BuildSpec("um", patched=False)
+    assert kernel.build_key(vanilla, "6.12.1", series) != k1
+
+
+def test_series_load_rejects_missing_patch(tmp_path):
+    (tmp_path / "series").write_text("# comment\n0001-x.patch\n")
+    with pytest.raises(LabError, match="0001-x.patch"):
+        kernel.Series.load(tmp_path)
+
+
+def test_series_load_skips_comments(tmp_path):
+    (tmp_path / "0001-x.patch").write_text("p")
+    (tmp_path / "series").write_text("# head\n\n0001-x.patch  # first\n")
+    assert kernel.Series.load(tmp_path).names == ("0001-x.patch",)
+
+
+def test_buildspec_rejects_unknown_arch():
+    with pytest.raises(LabError, match="unknown arch"):
+        kernel.BuildSpec("arm64")
+
+
+def test_every_shipped_fragment_parses():
+    for frag in paths.CONFIG_DIR.glob("*.config"):
+        assert kernel.parse_fragment(frag.read_text()), frag

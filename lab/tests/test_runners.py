@@ -1,0 +1,56 @@
+from pathlib import Path
+
+from freepage_lab import runners
+from freepage_lab.runners import GuestConfig, QemuRunner, UmlRunner
+from freepage_lab.shell import Shell
+
+
+def cfg(**kw):
+    return GuestConfig(kernel=Path("/k"), initrd=Path("/i"), **kw)
+
+
+def test_qemu_argv_reporting_on_by_default():
+    argv = QemuRunner(Shell(), accel="tcg").argv(cfg(mem_mib=1024))
+    assert argv[0] == "qemu-system-x86_64"
+    assert "pc,accel=tcg" in argv and "max" in argv
+    assert "virtio-balloon-pci,id=balloon0,free-page-reporting=on" in argv
+    assert argv[argv.index("-m") + 1] == "1024M"
+    assert "-no-reboot" in argv
+    append = argv[argv.index("-append") + 1]
+    assert "console=ttyS0" in append and "panic=-1" in append and "fp.halt=reboot" in append
+
+
+def test_qemu_argv_hint_needs_iothread_and_qmp_incoming():
+    argv = QemuRunner(Shell(), accel="tcg").argv(cfg(
+        free_page_reporting=False, free_page_hint=True, qmp_socket=Path("/q.sock"),
+        incoming="tcp:127.0.0.1:4444"))
+    assert "iothread,id=balloon-io" in argv
+    assert "virtio-balloon-pci,id=balloon0,free-page-hint=on,iothread=balloon-io" in argv
+    assert "unix:/q.sock,server=on,wait=off" in argv
+    assert argv[argv.index("-incoming") + 1] == "tcp:127.0.0.1:4444"
+
+
+def test_qemu_without_balloon():
+    argv = QemuRunner(Shell(), accel="tcg").argv(cfg(balloon=False))
+    assert not any("virtio-balloon" in a for a in argv)
+
+
+def test_uml_argv_attaches_vhost_user_balloon():
+    argv = UmlRunner(Shell()).argv(cfg(mem_mib=256, vhost_user_balloon=Path("/tmp/b.sock")))
+    assert argv[:3] == ["/k", "mem=256M", "initrd=/i"]
+    assert "virtio_uml.device=/tmp/b.sock:5" in argv
+    assert "fp.halt=poweroff" in argv
+
+
+def test_kvm_refused_under_pvm(monkeypatch):
+    monkeypatch.setattr(runners.os.path, "exists", lambda p: True)
+    monkeypatch.setattr(runners.os.path, "isdir", lambda p: p == "/sys/module/kvm_pvm")
+    ok, why = runners.kvm_usable()
+    assert not ok and "PVM" in why
+
+
+def test_auto_accel_is_tcg_without_hardware_kvm(monkeypatch):
+    monkeypatch.setattr(runners, "kvm_usable", lambda: (False, "no /dev/kvm"))
+    r = QemuRunner(Shell(), accel="auto")
+    assert r.accel == "tcg"
+    assert "no /dev/kvm" in r.accel_reason
