@@ -15,9 +15,12 @@ class Sample:
 
 
 class Sampler:
-    """Calls `probe` every `interval` seconds on a thread (default 20 Hz)."""
+    """Calls `probe` every `interval` seconds on a thread (default 20 Hz).
 
-    def __init__(self, probe: Callable[[], int], interval: float = 0.05) -> None:
+    A probe answering None (the guest is not there yet, or gone) adds no sample.
+    """
+
+    def __init__(self, probe: Callable[[], int | None], interval: float = 0.05) -> None:
         self.probe = probe
         self.interval = interval
         self.samples: list[Sample] = []
@@ -27,7 +30,9 @@ class Sampler:
     def _run(self) -> None:
         next_t = time.monotonic()
         while not self._stop.is_set():
-            self.samples.append(Sample(time.monotonic(), self.probe()))
+            value = self.probe()
+            if value is not None:
+                self.samples.append(Sample(time.monotonic(), value))
             next_t += self.interval
             self._stop.wait(max(0.0, next_t - time.monotonic()))
 

@@ -168,7 +168,8 @@ class Guest:
         with self._cond:
             return "\n".join(f"    {ln.text}" for ln in self.lines[-n:])
 
-    def _fail(self, why: str) -> GuestError:
+    def error(self, why: str) -> GuestError:
+        """A GuestError carrying the console tail."""
         return GuestError(f"{self.name}: {why}; last console lines (full log {self.log_path}):\n"
                           f"{self.tail()}")
 
@@ -188,14 +189,14 @@ class Guest:
                     if m:
                         return i, line, m
                     if PANIC_RE.search(line.text):
-                        raise self._fail(f"guest kernel failed ({line.text.strip()})")
+                        raise self.error(f"guest kernel failed ({line.text.strip()})")
                     i += 1
                 if self._eof:
-                    raise self._fail(f"guest stopped before printing /{pattern}/ "
+                    raise self.error(f"guest stopped before printing /{pattern}/ "
                                      f"(exit {self.proc.poll() if self.proc else '?'})")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise self._fail(f"timed out after {timeout:.0f} s waiting for /{pattern}/")
+                    raise self.error(f"timed out after {timeout:.0f} s waiting for /{pattern}/")
                 self._cond.wait(timeout=min(left, 0.5))
 
     def wait_exit(self, timeout: float) -> int:
@@ -205,7 +206,7 @@ class Guest:
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            raise self._fail("guest printed its exit marker but did not power off") from None
+            raise self.error("guest printed its exit marker but did not power off") from None
         return int(m.group(1))
 
     def json_records(self, prog: str | None = None) -> list[dict]:

@@ -24,15 +24,24 @@ VARIANTS = ("release", "debug")
 # Pristine base
 # --------------------------------------------------------------------------
 
+_VERSION: dict[bool, str] = {}
+
+
 def base_version(shell: Shell) -> str:
     """Debian package version of the pristine source, e.g. 6.12.117-1~deb12u1."""
-    out = shell.run(
-        ["dpkg-query", "-W", "-f=${Version}", paths.BASE_PACKAGE],
-        capture=True, what=f"dpkg-query {paths.BASE_PACKAGE}",
-    ) if not shell.dry_run else "dry-run"
+    if shell.dry_run in _VERSION:
+        return _VERSION[shell.dry_run]
+    try:
+        out = shell.run(
+            ["dpkg-query", "-W", "-f=${Version}", paths.BASE_PACKAGE],
+            capture=True, what=f"dpkg-query {paths.BASE_PACKAGE}",
+        ) if not shell.dry_run else "dry-run"
+    except LabError:
+        out = ""
     if not out:
         raise LabError(f"{paths.BASE_PACKAGE} is not installed: run `make deps`")
-    return out.strip()
+    _VERSION[shell.dry_run] = out.strip()
+    return _VERSION[shell.dry_run]
 
 
 def base_tree(shell: Shell) -> Path:
@@ -130,7 +139,8 @@ def materialise(shell: Shell, series: Series, dest: Path) -> None:
     git: list[str | os.PathLike[str]] = ["git", "-C", dest, "-c", "user.name=freepage",
                                          "-c", "user.email=dev@freepage.invalid"]
     shell.run([*git, "init", "-q"], what="git init")
-    shell.run([*git, "add", "-A"], what="git add")
+    # Debian's top-level .gitignore ignores everything ("/*"): force it
+    shell.run([*git, "add", "-f", "-A"], what="git add")
     shell.run([*git, "commit", "-q", "-m", f"base: {paths.BASE_PACKAGE} {base_version(shell)}"],
               what="git commit base")
     shell.run([*git, "tag", "freepage-base"], what="git tag")
@@ -260,11 +270,27 @@ def build_key(spec: BuildSpec, version: str, series: Series) -> str:
     return h.hexdigest()[:16]
 
 
-def make_argv(src: Path, out: Path, arch: str, *targets: str, jobs: int | None = None) -> list[str]:
+def make_argv(src: Path, out: Path, arch: str, *targets: str, jobs: int | None = None,
+              ccache: bool = False) -> list[str]:
     argv = ["make", "-C", str(src), f"O={out}", f"ARCH={arch}"]
+    if ccache:
+        argv += ["CC=ccache gcc", "HOSTCC=ccache gcc"]
     if jobs:
         argv.append(f"-j{jobs}")
     return argv + list(targets)
+
+
+def ccache_env() -> dict[str, str] | None:
+    """ccache keyed on preprocessed source, independent of the tree's path.
+
+    Every series edit gives a new source tree; ccache turns the rebuild
+    into recompiling only what the patches really changed.
+    """
+    if shutil.which("ccache") is None:
+        return None
+    cache = paths.cache_dir()
+    return {"CCACHE_DIR": str(cache / "ccache"), "CCACHE_BASEDIR": str(cache),
+            "CCACHE_NOHASHDIR": "1", "CCACHE_MAXSIZE": "8G"}
 
 
 def image_path(out: Path, arch: str) -> Path:
@@ -288,15 +314,17 @@ def build(shell: Shell, spec: BuildSpec, series: Series | None = None) -> BuiltK
         shutil.rmtree(out)
     if not shell.dry_run:
         out.mkdir(parents=True)
+    cenv = ccache_env()
+    cc = cenv is not None
     base_target = "tinyconfig" if spec.arch == "x86_64" else "defconfig"
-    shell.run(make_argv(src, out, spec.arch, base_target), log=out / "config.log",
-              what=f"make {base_target}")
+    shell.run(make_argv(src, out, spec.arch, base_target, ccache=cc), env=cenv,
+              log=out / "config.log", what=f"make {base_target}")
     fragments = spec.fragments()
     shell.run([src / "scripts" / "kconfig" / "merge_config.sh", "-m", "-O", out,
                out / ".config", *fragments], cwd=src, log=out / "merge.log",
               what="merge config fragments")
-    shell.run(make_argv(src, out, spec.arch, "olddefconfig"), log=out / "olddefconfig.log",
-              what="make olddefconfig")
+    shell.run(make_argv(src, out, spec.arch, "olddefconfig", ccache=cc), env=cenv,
+              log=out / "olddefconfig.log", what="make olddefconfig")
     if not shell.dry_run:
         wanted: dict[str, str] = {}
         for frag in fragments:
@@ -307,13 +335,14 @@ def build(shell: Shell, spec: BuildSpec, series: Series | None = None) -> BuiltK
                            + "\n  ".join(bad))
     jobs = os.cpu_count() or 2
     log = out / "build.log"
-    argv = make_argv(src, out, spec.arch, jobs=jobs)
+    argv = make_argv(src, out, spec.arch, jobs=jobs, ccache=cc)
     shell.show(argv)
     if shell.dry_run:
         return BuiltKernel(spec, out, image, key)
     start = time.monotonic()
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(cenv or {})})
         stop = threading.Event()
         ticker = threading.Thread(target=_progress, args=(spec.label, log, stop, start), daemon=True)
         ticker.start()

@@ -42,23 +42,23 @@ class Runner(ABC):
     def argv(self, cfg: GuestConfig) -> list[str]: ...
 
     @abstractmethod
-    def footprint_bytes(self, guest: Guest) -> int:
-        """Host memory the guest's RAM costs right now."""
+    def footprint_bytes(self, guest: Guest) -> int | None:
+        """Host memory the guest's RAM costs right now (None: guest gone)."""
 
     def guest(self, name: str, cfg: GuestConfig, log: Path) -> Guest:
         return Guest(name, self.argv(cfg), log, self.shell)
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident set of one process from /proc (VmRSS)."""
+def rss_bytes(pid: int) -> int | None:
+    """Resident set of one process from /proc (VmRSS); None once it has exited."""
     try:
         with open(f"/proc/{pid}/status", encoding="ascii") as fh:
             for line in fh:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) * 1024
     except OSError:
-        return 0
-    return 0
+        return None
+    return None  # a zombie has no VmRSS
 
 
 class UmlRunner(Runner):
@@ -73,15 +73,15 @@ class UmlRunner(Runner):
             argv.append(f"virtio_uml.device={cfg.vhost_user_balloon}:5")
         return argv + cfg.cmdline + cfg.extra_args
 
-    def footprint_bytes(self, guest: Guest) -> int:
+    def footprint_bytes(self, guest: Guest) -> int | None:
         """Allocated blocks of UML's physical-memory file (held open, unlinked)."""
         mem = uml_memory_file(guest.pid)
         if mem is None:
-            return 0
+            return None
         try:
             return os.stat(mem).st_blocks * 512
         except OSError:
-            return 0
+            return None
 
 
 def uml_memory_file(pid: int) -> str | None:
@@ -157,7 +157,7 @@ class QemuRunner(Runner):
             argv += ["-incoming", cfg.incoming]
         return argv + cfg.extra_args
 
-    def footprint_bytes(self, guest: Guest) -> int:
+    def footprint_bytes(self, guest: Guest) -> int | None:
         return rss_bytes(guest.pid)
 
 

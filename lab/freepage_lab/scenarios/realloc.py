@@ -77,7 +77,7 @@ class Realloc(Scenario):
                 with guest:
                     rc = guest.wait_exit(params.timeout_s)
                 if rc != 0:
-                    raise LabError(f"realloc: guest script failed (exit {rc}); see {guest.log_path}")
+                    raise guest.error(f"realloc: guest script failed (exit {rc})")
                 for rec in guest.json_records("populate"):
                     if rec["tag"] == "measure":
                         if rec["nonzero_bytes"]:

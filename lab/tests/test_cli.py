@@ -1,0 +1,36 @@
+import pytest
+
+from freepage_lab import cli
+from freepage_lab.shell import LabError, Shell
+
+
+@pytest.mark.parametrize("scenario", ["reclaim", "realloc", "migrate"])
+def test_dry_run_prints_the_commands_and_runs_nothing(scenario, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+    assert cli.main(["--dry-run", "run", scenario, "--vanilla", "--accel", "tcg"]) == 0
+    err = capsys.readouterr().err
+    assert "$ make -C" in err and "tinyconfig" in err
+    assert "$ qemu-system-x86_64 -machine pc,accel=tcg" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unknown_parameter_is_a_clear_error(capsys):
+    assert cli.main(["--dry-run", "run", "reclaim", "--param", "nope=1"]) == 1
+    assert "unknown parameter 'nope'" in capsys.readouterr().err
+
+
+def test_bad_parameter_value(capsys):
+    assert cli.main(["--dry-run", "run", "reclaim", "--param", "repeat=many"]) == 1
+    assert "bad value 'many' for repeat" in capsys.readouterr().err
+
+
+def test_missing_program_names_the_fix():
+    with pytest.raises(LabError, match="command not found: freepage-no-such-tool.*make deps"):
+        Shell(quiet=True).run(["freepage-no-such-tool"])
+
+
+def test_medians_flattens_result_trees():
+    tree = {"realloc": {"modes": {"thp": {"populate_ms": {"backed": {"median": 2.0, "n": 5}}}}},
+            "reclaim": {"median": {"t50_s": 1.5, "t90_s": None}}}
+    assert cli.medians(tree) == {"realloc.modes.thp.populate_ms.backed.median": 2.0,
+                                 "reclaim.median.t50_s": 1.5}
