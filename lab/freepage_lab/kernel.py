@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -298,7 +299,10 @@ def image_path(out: Path, arch: str) -> Path:
 
 
 def build(shell: Shell, spec: BuildSpec, series: Series | None = None) -> BuiltKernel:
-    """Configure and build, or return the cached build for the same inputs."""
+    """Configure and build, or return the cached build for the same inputs.
+
+    A lock per build directory lets concurrent lab runs share one build.
+    """
     series = series if series is not None else (Series.load() if spec.patched else Series.empty())
     if not spec.patched:
         series = Series.empty()
@@ -306,6 +310,20 @@ def build(shell: Shell, spec: BuildSpec, series: Series | None = None) -> BuiltK
     key = build_key(spec, version, series)
     out = paths.cache_dir() / "build" / f"{spec.label}-{key}"
     image = image_path(out, spec.arch)
+    if shell.dry_run:
+        return _build_locked(shell, spec, series, out, image, key)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"build {spec.label}: waiting for another build of the same kernel", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_locked(shell, spec, series, out, image, key)
+
+
+def _build_locked(shell: Shell, spec: BuildSpec, series: Series, out: Path, image: Path,
+                  key: str) -> BuiltKernel:
     if (out / ".freepage-done").exists() and image.exists():
         print(f"build {spec.label}: cached ({out})", flush=True)
         return BuiltKernel(spec, out, image, key)

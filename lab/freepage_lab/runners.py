@@ -191,7 +191,10 @@ class Qmp:
         self.execute("qmp_capabilities")
 
     def _read(self) -> dict:
-        line = self.file.readline()
+        try:
+            line = self.file.readline()
+        except OSError as exc:
+            raise LabError(f"QMP: connection lost ({exc})") from exc
         if not line:
             raise LabError("QMP connection closed")
         return json.loads(line)
@@ -200,8 +203,11 @@ class Qmp:
         msg: dict[str, object] = {"execute": command}
         if arguments:
             msg["arguments"] = arguments
-        self.file.write(json.dumps(msg).encode() + b"\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(msg).encode() + b"\n")
+            self.file.flush()
+        except OSError as exc:
+            raise LabError(f"QMP {command}: connection lost ({exc}); did QEMU exit?") from exc
         while True:
             reply = self._read()
             if "event" in reply:

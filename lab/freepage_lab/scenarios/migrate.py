@@ -43,7 +43,8 @@ def guest_script(p: MigrateParams, workload: str) -> str:
     if workload == "dirty":
         lines.append(f"dirty --mib {p.dirty_mib} --pace-ms {p.dirty_pace_ms} &")
         lines.append("sleep 1")
-    lines += [f"echo {EVENT} ready", "sleep 100000"]
+    # the heartbeat proves the guest really runs on the destination afterwards
+    lines += [f"echo {EVENT} ready", f"while true; do sleep 1; echo {EVENT} alive; done"]
     return "\n".join(lines) + "\n"
 
 
@@ -101,6 +102,7 @@ class Migrate(Scenario):
                 assert isinstance(state, dict)
                 if state.get("status") != "running":
                     raise LabError(f"{tag}: destination is {state.get('status')}, not running")
+                dst.wait_for(rf"^{EVENT} alive$", 30)
             finally:
                 qs.close()
                 qd.close()
