@@ -1,0 +1,104 @@
+//! Fuzzes everything the guest controls, through the pure parsing and
+//! validation functions: PFN arrays (inflateq/deflateq), reported ranges
+//! (reporting_vq descriptors), stats payloads (statsq) and config writes.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use vhost_user_balloon::ranges::{
+    self, split_to_pages, BalloonConfig, GuestRange, RegionInfo, RejectReason,
+};
+use vhost_user_balloon::spec::{self, PAGE_SIZE};
+
+fn u64_at(d: &[u8], i: usize) -> u64 {
+    let mut b = [0u8; 8];
+    for (k, x) in b.iter_mut().enumerate() {
+        *x = d.get(i + k).copied().unwrap_or(0);
+    }
+    u64::from_le_bytes(b)
+}
+
+fn check_plan(plan: &ranges::Plan, regions: &[RegionInfo]) {
+    for (idx, r) in &plan.ranges {
+        let reg = regions[*idx];
+        // every accepted range is aligned and wholly inside its region
+        assert!(r.len > 0 && r.gpa % PAGE_SIZE == 0 && r.len % PAGE_SIZE == 0);
+        assert!(r.gpa >= reg.gpa);
+        assert!(r.gpa + r.len <= reg.gpa + reg.len);
+    }
+    // coalesced output is sorted and non-overlapping per region
+    for w in plan.ranges.windows(2) {
+        if w[0].0 == w[1].0 {
+            assert!(w[0].1.gpa + w[0].1.len < w[1].1.gpa);
+        }
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    if data.len() < 4 {
+        return;
+    }
+    let sel = data[0] % 5;
+    let body = &data[1..];
+    // Two regions with a hole between them, like UML's highmem layout.
+    let regions = [
+        RegionInfo { gpa: 0x20_0000, len: 0x400_0000 },
+        RegionInfo { gpa: 0x1_0000_0000, len: 0x10_0000 },
+    ];
+    match sel {
+        0 => {
+            if let Ok((plan, n)) = ranges::plan_pfn_buffer(body, &regions) {
+                assert_eq!(n, body.len() / 4);
+                check_plan(&plan, &regions);
+                let rejected = plan.rejects.len() as u64 * PAGE_SIZE;
+                assert!(plan.valid_bytes() + rejected <= n as u64 * PAGE_SIZE);
+            }
+        }
+        1 => {
+            let rs: Vec<GuestRange> = body
+                .chunks(12)
+                .map(|c| GuestRange::new(u64_at(c, 0), u64_at(c, 8) & 0xffff_ffff))
+                .collect();
+            let plan = ranges::plan(&rs, &regions, PAGE_SIZE);
+            check_plan(&plan, &regions);
+            for (r, why) in &plan.rejects {
+                assert!(ranges::validate(*r, &regions, PAGE_SIZE) == Err(*why));
+                assert!(RejectReason::ALL.contains(why));
+            }
+        }
+        2 => {
+            if let Ok(stats) = ranges::parse_stats(body) {
+                assert_eq!(stats.len() * spec::STAT_ENTRY_SIZE, body.len());
+                for s in stats {
+                    let _ = spec::stat_name(s.tag);
+                }
+            }
+        }
+        3 => {
+            let off = u32::from_le_bytes([body[0], body[1], body[2], 0]) % 40;
+            let cfg = BalloonConfig { num_pages: 7, actual: 1, free_page_hint_cmd_id: 0, poison_val: 0 };
+            match cfg.apply_write(off, &body[3..]) {
+                Ok(n) => {
+                    // device-owned fields never change
+                    assert_eq!(n.num_pages, 7);
+                    assert_eq!(n.free_page_hint_cmd_id, 0);
+                }
+                Err(_) => {}
+            }
+            let size = u32::from(body[1]);
+            assert_eq!(cfg.read(off, size).len(), size as usize);
+        }
+        _ => {
+            let r = GuestRange::new(u64_at(body, 0), u64_at(body, 8));
+            let page = 1u64 << (u64_at(body, 16) % 31);
+            let (whole, partial) = split_to_pages(r, page);
+            let total: u64 = whole.map_or(0, |w| w.len) + partial.iter().map(|p| p.len).sum::<u64>();
+            if r.end().is_some() {
+                assert_eq!(total, r.len);
+            }
+            if let Some(w) = whole {
+                assert!(w.gpa % page == 0 && w.len % page == 0);
+                assert!(w.gpa >= r.gpa && w.gpa + w.len <= r.gpa + r.len);
+            }
+        }
+    }
+});

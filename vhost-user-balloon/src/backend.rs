@@ -1,0 +1,803 @@
+//! The `VhostUserBackend` implementation: one `process_<queue>()` per
+//! virtqueue, config space, and the state shared with the control socket.
+
+use std::io;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use log::{debug, info, warn};
+use serde::Serialize;
+use thiserror::Error;
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::Backend;
+use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use virtio_queue::{DescriptorChain, QueueOwnedT, QueueT};
+use vm_memory::{
+    Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryLoadGuard,
+    GuestMemoryMmap, GuestMemoryRegion,
+};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::discard::Discarder;
+use crate::metrics::{add, Metrics};
+use crate::ranges::{self, BalloonConfig, GuestRange, Plan, RegionInfo, RejectReason, Stat};
+use crate::shim::BackendChannel;
+use crate::spec::{self, bit, has, QueueRole, SpecError, MAX_QUEUES, PAGE_SIZE};
+
+/// Queue size limit advertised to the frontend (UML uses 256 and never asks).
+pub const MAX_QUEUE_SIZE: usize = 1024;
+/// Epoll id of the "operator asked for fresh stats" eventfd. Ids
+/// `0..MAX_QUEUES` are the vrings, `MAX_QUEUES` is the library's exit event.
+pub const STATS_REQUEST_EVENT: u16 = MAX_QUEUES as u16 + 1;
+/// Upper bound of a PFN array we read (Linux sends at most 256 PFNs = 1 KiB).
+pub const MAX_PFN_BYTES: usize = 256 * 1024;
+/// Upper bound of a stats buffer.
+pub const MAX_STATS_BYTES: usize = 64 * 1024;
+/// Upper bound of descriptors in one report.
+pub const MAX_REPORT_DESCS: usize = 1024;
+
+type GM = GuestMemoryAtomic<GuestMemoryMmap>;
+type Mem = GuestMemoryLoadGuard<GuestMemoryMmap>;
+
+/// Error of this module.
+#[derive(Debug, Error)]
+pub enum BackendError {
+    /// An event arrived before SET_MEM_TABLE.
+    #[error("no guest memory table yet")]
+    NoMemory,
+    /// Virtqueue access failed.
+    #[error("virtqueue error: {0}")]
+    Queue(#[from] virtio_queue::Error),
+    /// Queue index does not exist with the negotiated features.
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    /// Signalling the guest failed.
+    #[error("failed to signal used queue: {0}")]
+    Signal(io::Error),
+    /// An event id we never registered.
+    #[error("unexpected event {0} (evset {1:?})")]
+    UnexpectedEvent(u16, EventSet),
+    /// A descriptor pointed outside guest memory or was otherwise unusable.
+    #[error("bad descriptor chain: {0}")]
+    BadChain(String),
+    /// Guest wrote an invalid part of config space.
+    #[error("config write rejected: {0}")]
+    Config(#[from] ranges::RangeError),
+    /// Notifying the frontend of a config change failed.
+    #[error("config change notification failed: {0}")]
+    Notify(io::Error),
+    /// Reading the stats request eventfd failed.
+    #[error("eventfd error: {0}")]
+    EventFd(io::Error),
+}
+
+impl From<BackendError> for io::Error {
+    fn from(e: BackendError) -> Self {
+        io::Error::other(e)
+    }
+}
+
+/// What the device offers, chosen by the operator (see `cli`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceFeatures {
+    /// Offer VIRTIO_BALLOON_F_MUST_TELL_HOST.
+    pub must_tell_host: bool,
+    /// Offer VIRTIO_BALLOON_F_STATS_VQ.
+    pub stats: bool,
+    /// Offer VIRTIO_BALLOON_F_DEFLATE_ON_OOM.
+    pub deflate_on_oom: bool,
+    /// Offer VIRTIO_BALLOON_F_PAGE_POISON.
+    pub page_poison: bool,
+    /// Offer VIRTIO_BALLOON_F_REPORTING.
+    pub reporting: bool,
+    /// Offer the freepage bits 6 and 7 (only if the discarder leaves zeroes).
+    pub zero_bits: bool,
+    /// Offer VHOST_USER_PROTOCOL_F_BACKEND_REQ (config change notifications).
+    pub backend_req: bool,
+}
+
+impl Default for DeviceFeatures {
+    fn default() -> Self {
+        Self {
+            must_tell_host: true,
+            stats: true,
+            deflate_on_oom: true,
+            page_poison: true,
+            reporting: true,
+            zero_bits: true,
+            backend_req: true,
+        }
+    }
+}
+
+impl DeviceFeatures {
+    /// Virtio feature bits offered on GET_FEATURES.
+    pub fn virtio_features(&self, discarder_leaves_zeroes: bool) -> u64 {
+        let mut f = bit(spec::F_VERSION_1) | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        let mut set = |on: bool, b: u32| {
+            if on {
+                f |= bit(b);
+            }
+        };
+        set(self.must_tell_host, spec::F_MUST_TELL_HOST);
+        set(self.stats, spec::F_STATS_VQ);
+        set(self.deflate_on_oom, spec::F_DEFLATE_ON_OOM);
+        set(self.page_poison, spec::F_PAGE_POISON);
+        set(self.reporting, spec::F_REPORTING);
+        let zero = self.zero_bits && discarder_leaves_zeroes;
+        set(zero && self.reporting, spec::F_REPORTED_READS_ZERO);
+        set(zero, spec::F_DEFLATED_READS_ZERO);
+        f
+    }
+
+    /// vhost-user protocol features offered.
+    pub fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        let mut p = VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::REPLY_ACK;
+        if self.backend_req {
+            p |= VhostUserProtocolFeatures::BACKEND_REQ;
+        }
+        p
+    }
+}
+
+/// The latest statistics the guest sent.
+#[derive(Clone, Debug, Serialize)]
+pub struct StatsRecord {
+    /// Incremented on every stats buffer.
+    pub generation: u64,
+    /// Seconds since the epoch when received.
+    pub received_unix: f64,
+    /// The raw statistics.
+    pub stats: Vec<Stat>,
+}
+
+#[derive(Default)]
+struct SharedInner {
+    config: BalloonConfig,
+    acked_features: u64,
+    offered_features: u64,
+    connected: bool,
+    stats: Option<StatsRecord>,
+    backend_req: Option<Arc<BackendChannel>>,
+}
+
+/// Device state that outlives a frontend connection and is shared with the
+/// control socket.
+pub struct DeviceState {
+    /// Counters.
+    pub metrics: Metrics,
+    target: AtomicU32,
+    acked_protocol: AtomicU64,
+    inner: Mutex<SharedInner>,
+    stats_cond: Condvar,
+    stats_request: EventFd,
+}
+
+/// Result of `set_target`.
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+pub struct TargetUpdate {
+    /// New target in 4 KiB pages.
+    pub pages: u32,
+    /// Whether the frontend was notified (config change message).
+    pub notified: bool,
+}
+
+impl DeviceState {
+    /// Creates the state with an initial balloon target.
+    pub fn new(initial_target: u32) -> io::Result<Self> {
+        Ok(Self {
+            metrics: Metrics::default(),
+            target: AtomicU32::new(initial_target),
+            acked_protocol: AtomicU64::new(0),
+            inner: Mutex::new(SharedInner::default()),
+            stats_cond: Condvar::new(),
+            stats_request: EventFd::new(EFD_NONBLOCK)?,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, SharedInner> {
+        // A poisoned lock only means another thread panicked while holding
+        // it; the data (plain values) is still usable.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The eventfd the control socket writes to ask for fresh stats.
+    pub fn stats_request_fd(&self) -> &EventFd {
+        &self.stats_request
+    }
+
+    /// Current balloon target (pages).
+    pub fn target(&self) -> u32 {
+        self.target.load(Ordering::Relaxed)
+    }
+
+    /// Current config space as the driver sees it.
+    pub fn config(&self) -> BalloonConfig {
+        let mut c = self.lock().config;
+        c.num_pages = self.target();
+        c
+    }
+
+    /// Negotiated virtio features (0 when no frontend is connected).
+    pub fn acked_features(&self) -> u64 {
+        self.lock().acked_features
+    }
+
+    /// Virtio features offered to the current/last frontend.
+    pub fn offered_features(&self) -> u64 {
+        self.lock().offered_features
+    }
+
+    /// Negotiated vhost-user protocol features (seen by the connection shim).
+    pub fn acked_protocol_features(&self) -> u64 {
+        self.acked_protocol.load(Ordering::Relaxed)
+    }
+
+    /// Records SET_PROTOCOL_FEATURES (called by the connection shim).
+    pub fn set_acked_protocol_features(&self, f: u64) {
+        self.acked_protocol.store(f, Ordering::Relaxed);
+    }
+
+    /// Whether a frontend is connected.
+    pub fn connected(&self) -> bool {
+        self.lock().connected
+    }
+
+    /// Whether the zero guarantees of bits 6/7 are in force right now: the
+    /// bit was negotiated and PAGE_POISON is not in use with a non-zero
+    /// poison value.
+    pub fn zero_guarantees(&self) -> (bool, bool) {
+        let g = self.lock();
+        let f = g.acked_features;
+        let poisoned = has(f, spec::F_PAGE_POISON) && g.config.poison_val != 0;
+        (
+            has(f, spec::F_REPORTED_READS_ZERO) && !poisoned,
+            has(f, spec::F_DEFLATED_READS_ZERO),
+        )
+    }
+
+    /// Sets the balloon target and tells the frontend (config change
+    /// message over the backend request channel) when possible.
+    pub fn set_target(&self, pages: u32) -> Result<TargetUpdate, BackendError> {
+        self.target.store(pages, Ordering::Relaxed);
+        let req = self.lock().backend_req.clone();
+        let notified = match req {
+            Some(b) => {
+                b.send_config_change().map_err(BackendError::Notify)?;
+                add(&self.metrics.config_notifications, 1);
+                true
+            }
+            None => false,
+        };
+        info!("balloon target set to {pages} pages (frontend notified: {notified})");
+        Ok(TargetUpdate { pages, notified })
+    }
+
+    /// Latest stats, if any.
+    pub fn stats(&self) -> Option<StatsRecord> {
+        self.lock().stats.clone()
+    }
+
+    /// Asks the backend to hand the stats buffer back to the guest so that it
+    /// sends fresh statistics; then waits up to `wait` for them. Returns the
+    /// latest stats (fresh ones if they arrived in time).
+    pub fn request_stats(&self, wait: Duration) -> Result<Option<StatsRecord>, BackendError> {
+        let start_gen = self.lock().stats.as_ref().map_or(0, |s| s.generation);
+        self.stats_request.write(1).map_err(BackendError::EventFd)?;
+        let deadline = Instant::now() + wait;
+        let mut g = self.lock();
+        loop {
+            if g.stats.as_ref().is_some_and(|s| s.generation > start_gen) {
+                break;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            let (ng, _) = self
+                .stats_cond
+                .wait_timeout(g, deadline - now)
+                .unwrap_or_else(|p| p.into_inner());
+            g = ng;
+        }
+        Ok(g.stats.clone())
+    }
+
+    fn store_stats(&self, stats: Vec<Stat>) {
+        let mut g = self.lock();
+        let generation = g.stats.as_ref().map_or(0, |s| s.generation) + 1;
+        let received_unix = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        g.stats = Some(StatsRecord {
+            generation,
+            received_unix,
+            stats,
+        });
+        drop(g);
+        self.stats_cond.notify_all();
+    }
+
+    /// Called when a new frontend connects: per-connection state is reset
+    /// (the target and the counters are kept).
+    pub fn connection_started(&self, offered: u64) {
+        let mut g = self.lock();
+        g.config = BalloonConfig::default();
+        g.acked_features = 0;
+        g.offered_features = offered;
+        g.connected = true;
+        g.backend_req = None;
+        drop(g);
+        self.acked_protocol.store(0, Ordering::Relaxed);
+        add(&self.metrics.connections, 1);
+    }
+
+    /// Records the frontend's backend request channel (from the shim).
+    pub fn set_backend_channel(&self, ch: Arc<BackendChannel>) {
+        self.lock().backend_req = Some(ch);
+    }
+
+    /// Called when the frontend went away.
+    pub fn connection_closed(&self) {
+        let mut g = self.lock();
+        g.connected = false;
+        g.backend_req = None;
+    }
+}
+
+struct Inner {
+    state: Arc<DeviceState>,
+    discarder: Arc<dyn Discarder>,
+    features: u64,
+    protocol: VhostUserProtocolFeatures,
+    mem: Mutex<Option<GM>>,
+    acked: AtomicU64,
+    stats_head: Mutex<Option<u16>>,
+}
+
+/// The vhost-user backend of one frontend connection.
+#[derive(Clone)]
+pub struct BalloonBackend {
+    inner: Arc<Inner>,
+}
+
+/// Reads the device-readable part of a chain, at most `max` bytes.
+fn read_chain(
+    chain: &DescriptorChain<Mem>,
+    mem: &GuestMemoryMmap,
+    max: usize,
+) -> Result<Vec<u8>, BackendError> {
+    let mut out = Vec::new();
+    for desc in chain.clone() {
+        if desc.is_write_only() {
+            continue;
+        }
+        let len = usize::try_from(desc.len()).unwrap_or(usize::MAX);
+        if out.len().saturating_add(len) > max {
+            return Err(BackendError::BadChain(format!(
+                "buffer longer than {max} bytes"
+            )));
+        }
+        let start = out.len();
+        out.resize(start + len, 0);
+        mem.read_slice(&mut out[start..], desc.addr())
+            .map_err(|e| {
+                BackendError::BadChain(format!("descriptor {:#x}+{len}: {e}", desc.addr().0))
+            })?;
+    }
+    Ok(out)
+}
+
+/// The guest memory regions as validation input.
+pub fn region_infos(mem: &GuestMemoryMmap) -> Vec<RegionInfo> {
+    mem.iter()
+        .map(|r| RegionInfo {
+            gpa: r.start_addr().0,
+            len: r.len(),
+        })
+        .collect()
+}
+
+impl BalloonBackend {
+    /// Creates the backend for one connection.
+    pub fn new(
+        state: Arc<DeviceState>,
+        discarder: Arc<dyn Discarder>,
+        features: DeviceFeatures,
+    ) -> Self {
+        let virtio = features.virtio_features(discarder.leaves_zeroes());
+        state.connection_started(virtio);
+        Self {
+            inner: Arc::new(Inner {
+                state,
+                discarder,
+                features: virtio,
+                protocol: features.protocol_features(),
+                mem: Mutex::new(None),
+                acked: AtomicU64::new(0),
+                stats_head: Mutex::new(None),
+            }),
+        }
+    }
+
+    fn acked(&self) -> u64 {
+        self.inner.acked.load(Ordering::Relaxed)
+    }
+
+    fn memory(&self) -> Result<Mem, BackendError> {
+        let g = self.inner.mem.lock().unwrap_or_else(|p| p.into_inner());
+        g.as_ref().map(|m| m.memory()).ok_or(BackendError::NoMemory)
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.inner.state.metrics
+    }
+
+    fn count_rejects(&self, plan: &Plan, what: &str) {
+        for (r, why) in &plan.rejects {
+            self.metrics().reject(*why);
+            warn!("{what}: rejected range {:#x}+{:#x}: {why:?}", r.gpa, r.len);
+        }
+    }
+
+    fn discard_ranges(&self, mem: &GuestMemoryMmap, plan: &Plan, zero_fill: bool) {
+        let m = self.metrics();
+        for (_, r) in &plan.ranges {
+            let t = Instant::now();
+            match self.inner.discarder.discard(mem, *r, zero_fill) {
+                Ok(o) => {
+                    add(&m.discarded_bytes, o.discarded);
+                    add(&m.zero_filled_bytes, o.zero_filled);
+                    add(&m.partial_page_skipped_bytes, o.skipped);
+                }
+                Err(e) => {
+                    add(&m.discard_errors, 1);
+                    warn!("discard failed: {e}");
+                }
+            }
+            m.record_discard_latency(t.elapsed());
+        }
+    }
+
+    /// Pops every available chain, lets `f` handle it, returns the ones `f`
+    /// completes (`Some(used_len)`), and signals the guest once.
+    fn drain_queue<F>(&self, vring: &VringRwLock<GM>, mut f: F) -> Result<(), BackendError>
+    where
+        F: FnMut(&Mem, DescriptorChain<Mem>) -> Option<u32>,
+    {
+        let mem = self.memory()?;
+        let chains: Vec<_> = vring.get_mut().get_queue_mut().iter(mem.clone())?.collect();
+        let mut used = false;
+        for chain in chains {
+            let head = chain.head_index();
+            if let Some(len) = f(&mem, chain) {
+                vring.add_used(head, len)?;
+                used = true;
+            }
+        }
+        if used {
+            vring.signal_used_queue().map_err(BackendError::Signal)?;
+        }
+        Ok(())
+    }
+
+    /// inflateq: PFNs of pages the guest gives up. They are discarded on the
+    /// host (coalesced into ranges first).
+    pub fn process_inflate(&self, vring: &VringRwLock<GM>) -> Result<(), BackendError> {
+        let zero = has(self.acked(), spec::F_DEFLATED_READS_ZERO);
+        self.drain_queue(vring, |mem, chain| {
+            self.handle_pfn_chain(mem, &chain, true, zero);
+            Some(0)
+        })
+    }
+
+    /// deflateq: PFNs the guest takes back. Nothing to do on the host: the
+    /// pages were discarded on inflate and fault back in (as zeroes) on
+    /// first touch, which is what bit 7 promises.
+    pub fn process_deflate(&self, vring: &VringRwLock<GM>) -> Result<(), BackendError> {
+        self.drain_queue(vring, |mem, chain| {
+            self.handle_pfn_chain(mem, &chain, false, false);
+            Some(0)
+        })
+    }
+
+    fn handle_pfn_chain(
+        &self,
+        mem: &GuestMemoryMmap,
+        chain: &DescriptorChain<Mem>,
+        inflate: bool,
+        zero: bool,
+    ) {
+        let m = self.metrics();
+        let what = if inflate { "inflate" } else { "deflate" };
+        let bytes = match read_chain(chain, mem, MAX_PFN_BYTES) {
+            Ok(b) => b,
+            Err(e) => {
+                m.reject(RejectReason::Malformed);
+                warn!("{what}: {e}");
+                return;
+            }
+        };
+        match ranges::plan_pfn_buffer(&bytes, &region_infos(mem)) {
+            Err(e) => {
+                m.reject(RejectReason::Malformed);
+                warn!("{what}: {e}");
+            }
+            Ok((plan, n)) => {
+                let n = n as u64;
+                if inflate {
+                    add(&m.inflate_requests, 1);
+                    add(&m.inflated_pages, n);
+                } else {
+                    add(&m.deflate_requests, 1);
+                    add(&m.deflated_pages, n);
+                }
+                debug!("{what}: {n} pages in {} ranges", plan.ranges.len());
+                self.count_rejects(&plan, what);
+                if inflate {
+                    self.discard_ranges(mem, &plan, zero);
+                }
+            }
+        }
+    }
+
+    /// statsq: keep the latest statistics and hold the buffer; it is given
+    /// back (used) only when the operator asks for fresh stats.
+    pub fn process_stats(&self, vring: &VringRwLock<GM>) -> Result<(), BackendError> {
+        let mut stale = Vec::new();
+        self.drain_queue(vring, |mem, chain| {
+            let head = chain.head_index();
+            match read_chain(&chain, mem, MAX_STATS_BYTES)
+                .and_then(|b| Ok(ranges::parse_stats(&b)?))
+            {
+                Ok(stats) => {
+                    add(&self.metrics().stats_updates, 1);
+                    debug!("stats: {} entries", stats.len());
+                    self.inner.state.store_stats(stats);
+                }
+                Err(e) => {
+                    self.metrics().reject(RejectReason::Malformed);
+                    warn!("stats: {e}");
+                }
+            }
+            let mut held = self
+                .inner
+                .stats_head
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if let Some(old) = held.replace(head) {
+                // The driver queued a second buffer; give the older one back.
+                stale.push(old);
+            }
+            None
+        })?;
+        for old in stale {
+            vring.add_used(old, 0)?;
+            vring.signal_used_queue().map_err(BackendError::Signal)?;
+        }
+        Ok(())
+    }
+
+    /// Forgets the held stats buffer (the ring was stopped or the driver
+    /// renegotiated: the descriptor belongs to a ring that no longer exists).
+    fn drop_held_stats(&self) {
+        if let Some(h) = self
+            .inner
+            .stats_head
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            debug!("dropping held stats buffer {h}");
+        }
+    }
+
+    /// Operator asked for fresh stats: return the held buffer.
+    pub fn process_stats_request(&self, vring: &VringRwLock<GM>) -> Result<(), BackendError> {
+        {
+            let st = vring.get_ref();
+            if !(st.get_queue().ready() && st.is_enabled()) {
+                // Never write a ring the driver stopped or disabled.
+                drop(st);
+                self.drop_held_stats();
+                return Ok(());
+            }
+        }
+        let head = self
+            .inner
+            .stats_head
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(h) = head {
+            vring.add_used(h, 0)?;
+            vring.signal_used_queue().map_err(BackendError::Signal)?;
+            add(&self.metrics().stats_requests, 1);
+        } else {
+            debug!("stats requested but the guest holds no buffer with us");
+        }
+        Ok(())
+    }
+
+    /// reporting_vq: every descriptor is a free guest range; discard it and
+    /// acknowledge the chain.
+    pub fn process_reporting(&self, vring: &VringRwLock<GM>) -> Result<(), BackendError> {
+        let acked = self.acked();
+        let poison = has(acked, spec::F_PAGE_POISON) && self.inner.state.config().poison_val != 0;
+        let zero = has(acked, spec::F_REPORTED_READS_ZERO);
+        self.drain_queue(vring, |mem, chain| {
+            let m = self.metrics();
+            let descs: Vec<GuestRange> = chain
+                .clone()
+                .take(MAX_REPORT_DESCS)
+                .map(|d| GuestRange::new(d.addr().0, u64::from(d.len())))
+                .collect();
+            add(&m.reports, 1);
+            add(&m.reported_ranges, descs.len() as u64);
+            let plan = ranges::plan(&descs, &region_infos(mem), PAGE_SIZE);
+            self.count_rejects(&plan, "report");
+            add(&m.reported_bytes, plan.valid_bytes());
+            if poison {
+                // virtio 1.2 5.5.6.7: with PAGE_POISON negotiated the device
+                // must not change reported pages to anything but poison_val;
+                // discarding would make them zero, so keep them.
+                add(&m.poison_skipped_bytes, plan.valid_bytes());
+            } else {
+                self.discard_ranges(mem, &plan, zero);
+            }
+            Some(0)
+        })
+    }
+}
+
+impl VhostUserBackend for BalloonBackend {
+    type Bitmap = ();
+    type Vring = VringRwLock<GM>;
+
+    fn num_queues(&self) -> usize {
+        MAX_QUEUES
+    }
+
+    fn max_queue_size(&self) -> usize {
+        MAX_QUEUE_SIZE
+    }
+
+    fn features(&self) -> u64 {
+        self.inner.features
+    }
+
+    fn acked_features(&self, features: u64) {
+        info!("negotiated virtio features {features:#x}");
+        // (Re)negotiation starts a new driver instance: whatever buffer we
+        // held belongs to the old rings.
+        self.drop_held_stats();
+        self.inner.acked.store(features, Ordering::Relaxed);
+        self.inner.state.lock().acked_features = features;
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        self.inner.protocol
+    }
+
+    fn reset_device(&self) {
+        *self
+            .inner
+            .stats_head
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    fn set_event_idx(&self, _enabled: bool) {}
+
+    fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
+        debug!("ring {queue_index} stopped");
+        let stats = spec::queue_index(self.acked(), QueueRole::Stats);
+        if usize::try_from(queue_index).ok() == stats {
+            self.drop_held_stats();
+        }
+        Ok(())
+    }
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        self.inner.state.config().read(offset, size)
+    }
+
+    fn set_config(&self, offset: u32, buf: &[u8]) -> io::Result<()> {
+        let state = &self.inner.state;
+        let mut g = state.lock();
+        match g.config.apply_write(offset, buf) {
+            Ok(c) => {
+                if c.poison_val != g.config.poison_val {
+                    info!("guest set poison_val {:#x}", c.poison_val);
+                    let f = g.acked_features;
+                    if c.poison_val != 0
+                        && has(f, spec::F_PAGE_POISON)
+                        && has(f, spec::F_REPORTED_READS_ZERO)
+                    {
+                        warn!(
+                            "guest negotiated REPORTED_READS_ZERO and PAGE_POISON with poison_val {:#x}: \
+                             reported pages will be kept, not discarded",
+                            c.poison_val
+                        );
+                    }
+                }
+                if c.actual != g.config.actual {
+                    debug!("guest reports {} pages in balloon", c.actual);
+                }
+                g.config = c;
+                Ok(())
+            }
+            Err(e) => {
+                // Ignore the write (as a device ignores writes to read-only
+                // config fields). Returning an error here would make the
+                // library drop the whole connection.
+                add(&state.metrics.config_write_rejects, 1);
+                warn!("ignored: {}", BackendError::Config(e));
+                Ok(())
+            }
+        }
+    }
+
+    fn update_memory(&self, mem: GM) -> io::Result<()> {
+        let regions = region_infos(&mem.memory());
+        for r in &regions {
+            info!("guest memory region {:#x}+{:#x}", r.gpa, r.len);
+        }
+        *self.inner.mem.lock().unwrap_or_else(|p| p.into_inner()) = Some(mem);
+        Ok(())
+    }
+
+    fn set_backend_req_fd(&self, _backend: Backend) {
+        // The real channel was captured by the shim (see shim.rs); the
+        // library's end is only a local socketpair.
+        debug!("library backend request channel set");
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()
+    }
+
+    fn handle_event(
+        &self,
+        device_event: u16,
+        evset: EventSet,
+        vrings: &[VringRwLock<GM>],
+        _thread_id: usize,
+    ) -> io::Result<()> {
+        if evset != EventSet::IN {
+            return Err(BackendError::UnexpectedEvent(device_event, evset).into());
+        }
+        let acked = self.acked();
+        if device_event == STATS_REQUEST_EVENT {
+            // Drain the counter; EAGAIN just means a spurious wakeup.
+            let _ = self.inner.state.stats_request.read();
+            if let Some(i) = spec::queue_index(acked, QueueRole::Stats) {
+                if let Some(v) = vrings.get(i) {
+                    self.process_stats_request(v)?;
+                }
+            }
+            return Ok(());
+        }
+        let idx = usize::from(device_event);
+        let vring = vrings
+            .get(idx)
+            .ok_or(BackendError::UnexpectedEvent(device_event, evset))?;
+        let res = match spec::queue_role(acked, idx).map_err(BackendError::from)? {
+            QueueRole::Inflate => self.process_inflate(vring),
+            QueueRole::Deflate => self.process_deflate(vring),
+            QueueRole::Stats => self.process_stats(vring),
+            QueueRole::Reporting => self.process_reporting(vring),
+        };
+        // A broken chain from the guest must not kill the device: log it.
+        if let Err(e) = res {
+            warn!("queue {idx}: {e}");
+            self.metrics().reject(RejectReason::Malformed);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,260 @@
+//! Command line: clap `Args` -> validated `Config`.
+
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
+use thiserror::Error;
+
+use crate::backend::DeviceFeatures;
+
+/// How inflated / reported pages are given back to the host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DiscardMode {
+    /// Punch holes in the shared memory file (fallocate PUNCH_HOLE|KEEP_SIZE;
+    /// falls back to madvise(MADV_REMOVE)); huge-page aligned on hugetlbfs.
+    Auto,
+    /// Never discard (pages stay populated); feature bits 6/7 are not offered.
+    None,
+}
+
+/// Log verbosity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogLevel {
+    /// Errors only.
+    Error,
+    /// Warnings and errors (rejected guest ranges are warnings).
+    Warn,
+    /// Connection and negotiation events.
+    Info,
+    /// Every request.
+    Debug,
+    /// Everything, including library internals.
+    Trace,
+}
+
+impl LogLevel {
+    /// As a `log` filter.
+    pub fn filter(self) -> log::LevelFilter {
+        match self {
+            LogLevel::Error => log::LevelFilter::Error,
+            LogLevel::Warn => log::LevelFilter::Warn,
+            LogLevel::Info => log::LevelFilter::Info,
+            LogLevel::Debug => log::LevelFilter::Debug,
+            LogLevel::Trace => log::LevelFilter::Trace,
+        }
+    }
+}
+
+/// virtio-balloon device backend over vhost-user (virtio device id 5).
+///
+/// Listens on a vhost-user socket; a frontend (QEMU, User-Mode Linux
+/// `virtio_uml.device=<socket>:5`, ...) connects and shares guest memory.
+/// After a frontend disconnects the daemon waits for the next one.
+#[derive(Parser, Debug, Clone, PartialEq, Eq)]
+#[command(name = "vhost-user-balloon", version, about, long_about)]
+pub struct Args {
+    /// Path of the vhost-user UNIX socket to create and listen on.
+    #[arg(long, short = 's', value_name = "PATH")]
+    pub socket_path: PathBuf,
+
+    /// Path of the JSON-lines control socket (set_target, get_stats,
+    /// get_counters, get_config). No control socket if omitted.
+    #[arg(long, value_name = "PATH")]
+    pub control_socket: Option<PathBuf>,
+
+    /// Initial balloon target (`num_pages`) in 4 KiB pages.
+    #[arg(long, value_name = "PAGES", default_value_t = 0)]
+    pub initial_target: u32,
+
+    /// Do not offer VIRTIO_BALLOON_F_STATS_VQ (no statistics queue).
+    #[arg(long)]
+    pub no_stats: bool,
+
+    /// Do not offer VIRTIO_BALLOON_F_REPORTING (no free page reporting queue).
+    #[arg(long)]
+    pub no_reporting: bool,
+
+    /// Do not offer VIRTIO_BALLOON_F_DEFLATE_ON_OOM.
+    #[arg(long)]
+    pub no_deflate_on_oom: bool,
+
+    /// Do not offer VIRTIO_BALLOON_F_MUST_TELL_HOST.
+    #[arg(long)]
+    pub no_must_tell_host: bool,
+
+    /// Do not offer VIRTIO_BALLOON_F_PAGE_POISON (note: Linux then disables
+    /// free page reporting when it poisons or zeroes freed pages).
+    #[arg(long)]
+    pub no_page_poison: bool,
+
+    /// Do not offer the proposed freepage bits 6 (REPORTED_READS_ZERO) and
+    /// 7 (DEFLATED_READS_ZERO).
+    #[arg(long)]
+    pub no_zero_bits: bool,
+
+    /// Do not offer VHOST_USER_PROTOCOL_F_BACKEND_REQ; the guest then only
+    /// learns a new target when it re-reads the config space itself.
+    #[arg(long)]
+    pub no_backend_req: bool,
+
+    /// How pages are given back to the host.
+    #[arg(long, value_enum, value_name = "MODE", default_value_t = DiscardMode::Auto)]
+    pub discard: DiscardMode,
+
+    /// Log level (logs go to stderr; RUST_LOG is not consulted).
+    #[arg(long, value_enum, value_name = "LEVEL", default_value_t = LogLevel::Info)]
+    pub log_level: LogLevel,
+}
+
+/// Error of this module.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum CliError {
+    /// Empty path.
+    #[error("{0} must not be empty")]
+    EmptyPath(&'static str),
+    /// Both sockets at the same path.
+    #[error("--control-socket must differ from --socket-path")]
+    SamePath,
+    /// Directory of a socket does not exist.
+    #[error("directory of {0} does not exist")]
+    NoParent(PathBuf),
+    /// Path exists and is not a socket (we would delete it).
+    #[error("{0} exists and is not a socket; refusing to replace it")]
+    NotASocket(PathBuf),
+}
+
+/// Validated configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// vhost-user socket.
+    pub socket_path: PathBuf,
+    /// control socket.
+    pub control_socket: Option<PathBuf>,
+    /// initial `num_pages`.
+    pub initial_target: u32,
+    /// features offered.
+    pub features: DeviceFeatures,
+    /// discard method.
+    pub discard: DiscardMode,
+    /// log level.
+    pub log_level: LogLevel,
+}
+
+fn check_path(p: &std::path::Path, what: &'static str) -> Result<(), CliError> {
+    use std::os::unix::fs::FileTypeExt;
+    if p.as_os_str().is_empty() {
+        return Err(CliError::EmptyPath(what));
+    }
+    let parent = p.parent().filter(|d| !d.as_os_str().is_empty());
+    if let Some(d) = parent {
+        if !d.is_dir() {
+            return Err(CliError::NoParent(p.to_path_buf()));
+        }
+    }
+    if let Ok(m) = std::fs::symlink_metadata(p) {
+        if !m.file_type().is_socket() {
+            return Err(CliError::NotASocket(p.to_path_buf()));
+        }
+    }
+    Ok(())
+}
+
+impl TryFrom<Args> for Config {
+    type Error = CliError;
+
+    fn try_from(a: Args) -> Result<Self, CliError> {
+        check_path(&a.socket_path, "--socket-path")?;
+        if let Some(c) = &a.control_socket {
+            check_path(c, "--control-socket")?;
+            if *c == a.socket_path {
+                return Err(CliError::SamePath);
+            }
+        }
+        Ok(Config {
+            socket_path: a.socket_path,
+            control_socket: a.control_socket,
+            initial_target: a.initial_target,
+            features: DeviceFeatures {
+                must_tell_host: !a.no_must_tell_host,
+                stats: !a.no_stats,
+                deflate_on_oom: !a.no_deflate_on_oom,
+                page_poison: !a.no_page_poison,
+                reporting: !a.no_reporting,
+                zero_bits: !a.no_zero_bits && a.discard != DiscardMode::None,
+                backend_req: !a.no_backend_req,
+            },
+            discard: a.discard,
+            log_level: a.log_level,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(v: &[&str]) -> Result<Config, CliError> {
+        let mut all = vec!["vhost-user-balloon"];
+        all.extend_from_slice(v);
+        Config::try_from(Args::try_parse_from(all).unwrap())
+    }
+
+    #[test]
+    fn defaults() {
+        let c = parse(&["--socket-path", "/tmp/x.sock"]).unwrap();
+        assert_eq!(c.features, DeviceFeatures::default());
+        assert_eq!(c.discard, DiscardMode::Auto);
+        assert_eq!(c.control_socket, None);
+    }
+
+    #[test]
+    fn flags() {
+        let c = parse(&[
+            "-s",
+            "/tmp/x.sock",
+            "--no-stats",
+            "--no-reporting",
+            "--discard",
+            "none",
+        ])
+        .unwrap();
+        assert!(!c.features.stats);
+        assert!(!c.features.reporting);
+        assert!(!c.features.zero_bits, "discard none implies no zero bits");
+        let c = parse(&[
+            "-s",
+            "/tmp/x.sock",
+            "--no-zero-bits",
+            "--initial-target",
+            "7",
+        ])
+        .unwrap();
+        assert!(!c.features.zero_bits);
+        assert_eq!(c.initial_target, 7);
+    }
+
+    #[test]
+    fn invalid() {
+        // clap already refuses an empty path; the check also guards direct use.
+        assert!(Args::try_parse_from(["x", "-s", ""]).is_err());
+        let mut a = Args::try_parse_from(["x", "-s", "/tmp/a.sock"]).unwrap();
+        a.socket_path = PathBuf::new();
+        assert_eq!(
+            Config::try_from(a),
+            Err(CliError::EmptyPath("--socket-path"))
+        );
+        assert_eq!(
+            parse(&["-s", "/tmp/a.sock", "--control-socket", "/tmp/a.sock"]),
+            Err(CliError::SamePath)
+        );
+        assert!(matches!(
+            parse(&["-s", "/nonexistent-dir/a.sock"]),
+            Err(CliError::NoParent(_))
+        ));
+        assert!(matches!(
+            parse(&["-s", "/etc/hostname"]),
+            Err(CliError::NotASocket(_))
+        ));
+        assert!(Args::try_parse_from(["x"]).is_err());
+    }
+}

@@ -1,0 +1,12 @@
+//! virtio-balloon device backend over vhost-user (see README.md).
+#![deny(missing_docs)]
+
+pub mod backend;
+pub mod cli;
+pub mod control;
+pub mod discard;
+pub mod metrics;
+pub mod ranges;
+pub mod server;
+pub mod shim;
+pub mod spec;

@@ -1,0 +1,180 @@
+//! Counters exported on the control socket (`get_counters`).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::ranges::RejectReason;
+
+/// Lock-free counters, shared by the backend threads and the control socket.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    /// Inflate buffers processed.
+    pub inflate_requests: AtomicU64,
+    /// PFNs received on inflateq.
+    pub inflated_pages: AtomicU64,
+    /// Deflate buffers processed.
+    pub deflate_requests: AtomicU64,
+    /// PFNs received on deflateq.
+    pub deflated_pages: AtomicU64,
+    /// Report buffers (descriptor chains) processed on reporting_vq.
+    pub reports: AtomicU64,
+    /// Ranges (descriptors) received on reporting_vq.
+    pub reported_ranges: AtomicU64,
+    /// Bytes in valid reported ranges.
+    pub reported_bytes: AtomicU64,
+    /// Bytes given back to the host (hole punched / madvised).
+    pub discarded_bytes: AtomicU64,
+    /// Bytes that could not be discarded (partial huge pages) and were
+    /// overwritten with zeroes because a zero guarantee was negotiated.
+    pub zero_filled_bytes: AtomicU64,
+    /// Bytes not discarded because they only cover part of a huge page.
+    pub partial_page_skipped_bytes: AtomicU64,
+    /// Reported bytes kept because PAGE_POISON with poison_val != 0 was negotiated.
+    pub poison_skipped_bytes: AtomicU64,
+    /// Discard system calls that failed.
+    pub discard_errors: AtomicU64,
+    /// Number of discard operations timed.
+    pub discard_ops: AtomicU64,
+    /// Sum of discard latency, nanoseconds.
+    pub discard_ns_sum: AtomicU64,
+    /// Maximum discard latency, nanoseconds.
+    pub discard_ns_max: AtomicU64,
+    /// Stats buffers received.
+    pub stats_updates: AtomicU64,
+    /// Stats requests sent to the guest.
+    pub stats_requests: AtomicU64,
+    /// Config-space writes rejected.
+    pub config_write_rejects: AtomicU64,
+    /// Config change notifications sent to the frontend.
+    pub config_notifications: AtomicU64,
+    /// Frontend connections accepted.
+    pub connections: AtomicU64,
+    /// Rejected ranges, indexed like `RejectReason::ALL`.
+    pub rejects: [AtomicU64; 6],
+}
+
+/// Helper for "add n".
+pub fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+fn get(c: &AtomicU64) -> u64 {
+    c.load(Ordering::Relaxed)
+}
+
+impl Metrics {
+    /// Counts one rejected range.
+    pub fn reject(&self, reason: RejectReason) {
+        if let Some(i) = RejectReason::ALL.iter().position(|r| *r == reason) {
+            add(&self.rejects[i], 1);
+        }
+    }
+
+    /// Records the latency of one discard operation.
+    pub fn record_discard_latency(&self, d: Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        add(&self.discard_ops, 1);
+        add(&self.discard_ns_sum, ns);
+        self.discard_ns_max.fetch_max(ns, Ordering::Relaxed);
+    }
+
+    /// Point-in-time copy for serialisation.
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        MetricsSnapshot {
+            inflate_requests: get(&self.inflate_requests),
+            inflated_pages: get(&self.inflated_pages),
+            deflate_requests: get(&self.deflate_requests),
+            deflated_pages: get(&self.deflated_pages),
+            reports: get(&self.reports),
+            reported_ranges: get(&self.reported_ranges),
+            reported_bytes: get(&self.reported_bytes),
+            discarded_bytes: get(&self.discarded_bytes),
+            zero_filled_bytes: get(&self.zero_filled_bytes),
+            partial_page_skipped_bytes: get(&self.partial_page_skipped_bytes),
+            poison_skipped_bytes: get(&self.poison_skipped_bytes),
+            discard_errors: get(&self.discard_errors),
+            discard_ops: get(&self.discard_ops),
+            discard_ns_sum: get(&self.discard_ns_sum),
+            discard_ns_max: get(&self.discard_ns_max),
+            stats_updates: get(&self.stats_updates),
+            stats_requests: get(&self.stats_requests),
+            config_write_rejects: get(&self.config_write_rejects),
+            config_notifications: get(&self.config_notifications),
+            connections: get(&self.connections),
+            rejects: Rejects {
+                empty: get(&self.rejects[0]),
+                overflow: get(&self.rejects[1]),
+                unaligned: get(&self.rejects[2]),
+                outside_memory: get(&self.rejects[3]),
+                crosses_region: get(&self.rejects[4]),
+                malformed: get(&self.rejects[5]),
+            },
+        }
+    }
+}
+
+/// Rejected ranges by reason.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Rejects {
+    /// zero length
+    pub empty: u64,
+    /// address overflow
+    pub overflow: u64,
+    /// not 4 KiB aligned
+    pub unaligned: u64,
+    /// not inside guest memory
+    pub outside_memory: u64,
+    /// spans two regions
+    pub crosses_region: u64,
+    /// malformed descriptor chain / payload
+    pub malformed: u64,
+}
+
+/// Serialisable copy of [`Metrics`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[allow(missing_docs)]
+pub struct MetricsSnapshot {
+    pub inflate_requests: u64,
+    pub inflated_pages: u64,
+    pub deflate_requests: u64,
+    pub deflated_pages: u64,
+    pub reports: u64,
+    pub reported_ranges: u64,
+    pub reported_bytes: u64,
+    pub discarded_bytes: u64,
+    pub zero_filled_bytes: u64,
+    pub partial_page_skipped_bytes: u64,
+    pub poison_skipped_bytes: u64,
+    pub discard_errors: u64,
+    pub discard_ops: u64,
+    pub discard_ns_sum: u64,
+    pub discard_ns_max: u64,
+    pub stats_updates: u64,
+    pub stats_requests: u64,
+    pub config_write_rejects: u64,
+    pub config_notifications: u64,
+    pub connections: u64,
+    pub rejects: Rejects,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters() {
+        let m = Metrics::default();
+        m.reject(RejectReason::Unaligned);
+        m.reject(RejectReason::Malformed);
+        m.record_discard_latency(Duration::from_nanos(5));
+        m.record_discard_latency(Duration::from_nanos(3));
+        let s = m.snapshot();
+        assert_eq!(s.rejects.unaligned, 1);
+        assert_eq!(s.rejects.malformed, 1);
+        assert_eq!(s.discard_ops, 2);
+        assert_eq!(s.discard_ns_sum, 8);
+        assert_eq!(s.discard_ns_max, 5);
+    }
+}

@@ -1,0 +1,559 @@
+//! Pure helpers for everything the guest controls: PFN arrays, reported
+//! ranges, stats payloads and config-space writes. Nothing here touches
+//! memory; the functions are unit tested and fuzzed (`fuzz/`).
+
+use serde::Serialize;
+use thiserror::Error;
+
+use crate::spec::{self, CONFIG_SIZE, PAGE_SIZE, PFN_SHIFT, STAT_ENTRY_SIZE};
+
+/// Error of this module: malformed guest-supplied payloads.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum RangeError {
+    /// A PFN array whose length is not a multiple of 4 bytes.
+    #[error("PFN array of {0} bytes is not a multiple of 4")]
+    PfnArrayLength(usize),
+    /// A stats buffer whose length is not a multiple of 10 bytes.
+    #[error("stats buffer of {0} bytes is not a multiple of {STAT_ENTRY_SIZE}")]
+    StatsLength(usize),
+    /// A config write outside the 16 byte config space.
+    #[error("config write at offset {offset} len {len} is outside the config space")]
+    ConfigOutOfBounds {
+        /// offset of the write
+        offset: u32,
+        /// length of the write
+        len: usize,
+    },
+    /// A config write touching a field the driver must not write.
+    #[error("config write at offset {offset} len {len} touches a device-owned field")]
+    ConfigReadOnly {
+        /// offset of the write
+        offset: u32,
+        /// length of the write
+        len: usize,
+    },
+}
+
+/// A guest-physical byte range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct GuestRange {
+    /// First guest-physical address.
+    pub gpa: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+impl GuestRange {
+    /// Creates a range.
+    pub const fn new(gpa: u64, len: u64) -> Self {
+        Self { gpa, len }
+    }
+
+    /// Exclusive end, `None` on overflow.
+    pub fn end(&self) -> Option<u64> {
+        self.gpa.checked_add(self.len)
+    }
+}
+
+/// A guest memory region as shared by the frontend (SET_MEM_TABLE).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RegionInfo {
+    /// Guest-physical start.
+    pub gpa: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// Why a guest-supplied range was rejected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RejectReason {
+    /// Zero length.
+    Empty,
+    /// `gpa + len` overflows 64 bits.
+    Overflow,
+    /// Start or length not aligned to the device page size.
+    Unaligned,
+    /// Not (wholly) inside any region of guest memory.
+    OutsideMemory,
+    /// Starts in one region and ends in another one (or in a hole).
+    CrossesRegion,
+    /// The descriptor chain itself was malformed (bad descriptor, PFN array
+    /// of odd length, too long).
+    Malformed,
+}
+
+impl RejectReason {
+    /// All reasons, for counters.
+    pub const ALL: [RejectReason; 6] = [
+        RejectReason::Empty,
+        RejectReason::Overflow,
+        RejectReason::Unaligned,
+        RejectReason::OutsideMemory,
+        RejectReason::CrossesRegion,
+        RejectReason::Malformed,
+    ];
+}
+
+/// Parses a little-endian `u32` PFN array (inflateq/deflateq payload).
+pub fn parse_pfns(bytes: &[u8]) -> Result<Vec<u32>, RangeError> {
+    if !bytes.len().is_multiple_of(4) {
+        return Err(RangeError::PfnArrayLength(bytes.len()));
+    }
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+/// Converts PFNs (4 KiB units) to one range per PFN.
+pub fn pfns_to_ranges(pfns: &[u32]) -> Vec<GuestRange> {
+    pfns.iter()
+        .map(|&p| GuestRange::new(u64::from(p) << PFN_SHIFT, PAGE_SIZE))
+        .collect()
+}
+
+/// Checks that `range` is non-empty, aligned to `align` (a power of two) and
+/// lies wholly inside ONE of `regions`. Returns the index of that region.
+/// Ranges are never clamped: a range that is only partly inside is rejected.
+pub fn validate(
+    range: GuestRange,
+    regions: &[RegionInfo],
+    align: u64,
+) -> Result<usize, RejectReason> {
+    if range.len == 0 {
+        return Err(RejectReason::Empty);
+    }
+    let end = range.end().ok_or(RejectReason::Overflow)?;
+    if align == 0 || !range.gpa.is_multiple_of(align) || !range.len.is_multiple_of(align) {
+        return Err(RejectReason::Unaligned);
+    }
+    let start_region = regions.iter().position(|r| {
+        range.gpa >= r.gpa
+            && r.gpa
+                .checked_add(r.len)
+                .is_some_and(|rend| range.gpa < rend)
+    });
+    match start_region {
+        None => Err(RejectReason::OutsideMemory),
+        Some(i) => {
+            let r = regions[i];
+            let rend = r.gpa.saturating_add(r.len);
+            if end <= rend {
+                Ok(i)
+            } else if regions
+                .iter()
+                .any(|o| o.gpa < end && o.gpa.saturating_add(o.len) >= end && o.gpa >= rend)
+            {
+                Err(RejectReason::CrossesRegion)
+            } else {
+                Err(RejectReason::OutsideMemory)
+            }
+        }
+    }
+}
+
+/// Sorts ranges that belong to the same region and merges overlapping or
+/// adjacent ones. Input pairs are `(region index, range)`; ranges of
+/// different regions are never merged, even when physically adjacent.
+pub fn coalesce(mut ranges: Vec<(usize, GuestRange)>) -> Vec<(usize, GuestRange)> {
+    ranges.sort_unstable_by_key(|(i, r)| (*i, r.gpa, r.len));
+    let mut out: Vec<(usize, GuestRange)> = Vec::with_capacity(ranges.len());
+    for (idx, r) in ranges {
+        if let Some((lidx, last)) = out.last_mut() {
+            // Both ranges were validated, so `end()` cannot overflow here.
+            let last_end = last.gpa.saturating_add(last.len);
+            if *lidx == idx && r.gpa <= last_end {
+                let new_end = last_end.max(r.gpa.saturating_add(r.len));
+                last.len = new_end - last.gpa;
+                continue;
+            }
+        }
+        out.push((idx, r));
+    }
+    out
+}
+
+/// Result of validating and coalescing a batch of guest ranges.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// Valid, coalesced ranges with the index of their region.
+    pub ranges: Vec<(usize, GuestRange)>,
+    /// Rejected input ranges and why.
+    pub rejects: Vec<(GuestRange, RejectReason)>,
+}
+
+impl Plan {
+    /// Total bytes of the valid ranges.
+    pub fn valid_bytes(&self) -> u64 {
+        self.ranges.iter().map(|(_, r)| r.len).sum()
+    }
+}
+
+/// Validates every range against `regions` (alignment `align`) and coalesces
+/// the valid ones.
+pub fn plan(ranges: &[GuestRange], regions: &[RegionInfo], align: u64) -> Plan {
+    let mut ok = Vec::with_capacity(ranges.len());
+    let mut rejects = Vec::new();
+    for &r in ranges {
+        match validate(r, regions, align) {
+            Ok(i) => ok.push((i, r)),
+            Err(e) => rejects.push((r, e)),
+        }
+    }
+    Plan {
+        ranges: coalesce(ok),
+        rejects,
+    }
+}
+
+/// Full pipeline for an inflateq/deflateq buffer: bytes -> PFNs -> ranges ->
+/// validated, coalesced plan. Returns the plan and the number of PFNs.
+pub fn plan_pfn_buffer(bytes: &[u8], regions: &[RegionInfo]) -> Result<(Plan, usize), RangeError> {
+    let pfns = parse_pfns(bytes)?;
+    let ranges = pfns_to_ranges(&pfns);
+    Ok((plan(&ranges, regions, PAGE_SIZE), pfns.len()))
+}
+
+/// Splits a range into the part made of whole backing pages of size
+/// `page_size` (power of two) and the partial head/tail that is not.
+/// Returns `(whole, partial)`.
+pub fn split_to_pages(range: GuestRange, page_size: u64) -> (Option<GuestRange>, Vec<GuestRange>) {
+    let Some(end) = range.end() else {
+        return (None, vec![range]);
+    };
+    if page_size <= 1 || !page_size.is_power_of_two() {
+        return (Some(range), Vec::new());
+    }
+    let mask = page_size - 1;
+    let start_up = match range.gpa.checked_add(mask) {
+        Some(v) => v & !mask,
+        None => return (None, vec![range]),
+    };
+    let end_down = end & !mask;
+    if start_up >= end_down {
+        return (None, vec![range]);
+    }
+    let mut partial = Vec::new();
+    if start_up > range.gpa {
+        partial.push(GuestRange::new(range.gpa, start_up - range.gpa));
+    }
+    if end > end_down {
+        partial.push(GuestRange::new(end_down, end - end_down));
+    }
+    (
+        Some(GuestRange::new(start_up, end_down - start_up)),
+        partial,
+    )
+}
+
+/// One memory statistic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Stat {
+    /// `VIRTIO_BALLOON_S_*` tag.
+    pub tag: u16,
+    /// Value (bytes or counts, per tag).
+    pub val: u64,
+}
+
+/// Parses a statsq buffer: an array of packed `{le16 tag; le64 val}`.
+pub fn parse_stats(bytes: &[u8]) -> Result<Vec<Stat>, RangeError> {
+    if !bytes.len().is_multiple_of(STAT_ENTRY_SIZE) {
+        return Err(RangeError::StatsLength(bytes.len()));
+    }
+    Ok(bytes
+        .chunks_exact(STAT_ENTRY_SIZE)
+        .map(|c| {
+            let mut v = [0u8; 8];
+            v.copy_from_slice(&c[2..10]);
+            Stat {
+                tag: u16::from_le_bytes([c[0], c[1]]),
+                val: u64::from_le_bytes(v),
+            }
+        })
+        .collect())
+}
+
+/// The balloon configuration space.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct BalloonConfig {
+    /// Target number of 4 KiB pages in the balloon (device writes).
+    pub num_pages: u32,
+    /// Number of pages in the balloon (driver writes).
+    pub actual: u32,
+    /// Free page hint command id (unused, always 0).
+    pub free_page_hint_cmd_id: u32,
+    /// Poison value (driver writes, valid with PAGE_POISON).
+    pub poison_val: u32,
+}
+
+impl BalloonConfig {
+    /// Little-endian byte image.
+    pub fn to_bytes(&self) -> [u8; CONFIG_SIZE] {
+        let mut b = [0u8; CONFIG_SIZE];
+        b[spec::CFG_NUM_PAGES..spec::CFG_NUM_PAGES + 4]
+            .copy_from_slice(&self.num_pages.to_le_bytes());
+        b[spec::CFG_ACTUAL..spec::CFG_ACTUAL + 4].copy_from_slice(&self.actual.to_le_bytes());
+        b[spec::CFG_FREE_PAGE_HINT_CMD_ID..spec::CFG_FREE_PAGE_HINT_CMD_ID + 4]
+            .copy_from_slice(&self.free_page_hint_cmd_id.to_le_bytes());
+        b[spec::CFG_POISON_VAL..spec::CFG_POISON_VAL + 4]
+            .copy_from_slice(&self.poison_val.to_le_bytes());
+        b
+    }
+
+    /// Parses a little-endian byte image.
+    pub fn from_bytes(b: &[u8; CONFIG_SIZE]) -> Self {
+        let rd = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        Self {
+            num_pages: rd(spec::CFG_NUM_PAGES),
+            actual: rd(spec::CFG_ACTUAL),
+            free_page_hint_cmd_id: rd(spec::CFG_FREE_PAGE_HINT_CMD_ID),
+            poison_val: rd(spec::CFG_POISON_VAL),
+        }
+    }
+
+    /// `size` bytes of config space from `offset` (GET_CONFIG). Bytes past
+    /// the end of the structure read as zero, so the reply always has
+    /// exactly the requested size (the vhost-user frontend checks that).
+    pub fn read(&self, offset: u32, size: u32) -> Vec<u8> {
+        let img = self.to_bytes();
+        (0..size)
+            .map(|i| {
+                u64::from(offset)
+                    .checked_add(u64::from(i))
+                    .and_then(|o| usize::try_from(o).ok())
+                    .and_then(|o| img.get(o).copied())
+                    .unwrap_or(0)
+            })
+            .collect()
+    }
+
+    /// Applies a driver write (SET_CONFIG). Only `actual` and `poison_val`
+    /// are driver-writable; partial writes inside those fields are merged.
+    /// Returns the new config; `self` is unchanged on error.
+    pub fn apply_write(&self, offset: u32, data: &[u8]) -> Result<BalloonConfig, RangeError> {
+        let start = usize::try_from(offset).unwrap_or(usize::MAX);
+        let end = start.checked_add(data.len()).filter(|&e| e <= CONFIG_SIZE);
+        let Some(end) = end else {
+            return Err(RangeError::ConfigOutOfBounds {
+                offset,
+                len: data.len(),
+            });
+        };
+        let writable = |o: usize| {
+            (spec::CFG_ACTUAL..spec::CFG_ACTUAL + 4).contains(&o)
+                || (spec::CFG_POISON_VAL..spec::CFG_POISON_VAL + 4).contains(&o)
+        };
+        if !(start..end).all(writable) {
+            return Err(RangeError::ConfigReadOnly {
+                offset,
+                len: data.len(),
+            });
+        }
+        let mut img = self.to_bytes();
+        img[start..end].copy_from_slice(data);
+        Ok(Self::from_bytes(&img))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn regions() -> Vec<RegionInfo> {
+        vec![
+            RegionInfo {
+                gpa: 0,
+                len: 16 * MIB,
+            },
+            RegionInfo {
+                gpa: 16 * MIB,
+                len: 16 * MIB,
+            },
+            RegionInfo {
+                gpa: 64 * MIB,
+                len: 4 * MIB,
+            },
+        ]
+    }
+
+    #[test]
+    fn pfn_parsing() {
+        assert_eq!(parse_pfns(&[1, 0, 0, 0, 2, 0, 0, 0]).unwrap(), vec![1, 2]);
+        assert_eq!(parse_pfns(&[]).unwrap(), Vec::<u32>::new());
+        assert_eq!(parse_pfns(&[1, 2, 3]), Err(RangeError::PfnArrayLength(3)));
+        let r = pfns_to_ranges(&[0xffff_ffff]);
+        assert_eq!(r[0], GuestRange::new(0xffff_ffffu64 << 12, 4096));
+    }
+
+    #[test]
+    fn validation() {
+        let rg = regions();
+        assert_eq!(validate(GuestRange::new(0, 4096), &rg, 4096), Ok(0));
+        assert_eq!(
+            validate(GuestRange::new(16 * MIB - 4096, 4096), &rg, 4096),
+            Ok(0)
+        );
+        assert_eq!(
+            validate(GuestRange::new(0, 0), &rg, 4096),
+            Err(RejectReason::Empty)
+        );
+        assert_eq!(
+            validate(GuestRange::new(1, 4096), &rg, 4096),
+            Err(RejectReason::Unaligned)
+        );
+        assert_eq!(
+            validate(GuestRange::new(0, 100), &rg, 4096),
+            Err(RejectReason::Unaligned)
+        );
+        assert_eq!(
+            validate(GuestRange::new(u64::MAX - 4095, 8192), &rg, 4096),
+            Err(RejectReason::Overflow)
+        );
+        assert_eq!(
+            validate(GuestRange::new(40 * MIB, 4096), &rg, 4096),
+            Err(RejectReason::OutsideMemory)
+        );
+        // crosses from region 0 into region 1: rejected, not clamped
+        assert_eq!(
+            validate(GuestRange::new(16 * MIB - 4096, 8192), &rg, 4096),
+            Err(RejectReason::CrossesRegion)
+        );
+        // runs off the end of region 2 into nothing
+        assert_eq!(
+            validate(GuestRange::new(68 * MIB - 4096, 8192), &rg, 4096),
+            Err(RejectReason::OutsideMemory)
+        );
+        // starts before region 2 in a hole
+        assert_eq!(
+            validate(GuestRange::new(64 * MIB - 4096, 8192), &rg, 4096),
+            Err(RejectReason::OutsideMemory)
+        );
+    }
+
+    #[test]
+    fn coalescing() {
+        let c = coalesce(vec![
+            (0, GuestRange::new(8192, 4096)),
+            (0, GuestRange::new(0, 4096)),
+            (0, GuestRange::new(4096, 4096)),
+            (0, GuestRange::new(4096, 4096)), // duplicate
+            (0, GuestRange::new(20480, 4096)),
+            (1, GuestRange::new(16 * MIB, 4096)),
+        ]);
+        assert_eq!(
+            c,
+            vec![
+                (0, GuestRange::new(0, 12288)),
+                (0, GuestRange::new(20480, 4096)),
+                (1, GuestRange::new(16 * MIB, 4096)),
+            ]
+        );
+        // physically adjacent but different regions: not merged
+        let c = coalesce(vec![
+            (0, GuestRange::new(16 * MIB - 4096, 4096)),
+            (1, GuestRange::new(16 * MIB, 4096)),
+        ]);
+        assert_eq!(c.len(), 2);
+    }
+
+    #[test]
+    fn pfn_plan() {
+        let mut bytes = Vec::new();
+        for pfn in [3u32, 1, 2, 0x10_0000, 5] {
+            bytes.extend_from_slice(&pfn.to_le_bytes());
+        }
+        let (p, n) = plan_pfn_buffer(&bytes, &regions()).unwrap();
+        assert_eq!(n, 5);
+        assert_eq!(
+            p.ranges,
+            vec![
+                (0, GuestRange::new(4096, 3 * 4096)),
+                (0, GuestRange::new(5 * 4096, 4096))
+            ]
+        );
+        assert_eq!(
+            p.rejects,
+            vec![(GuestRange::new(1 << 32, 4096), RejectReason::OutsideMemory)]
+        );
+        assert_eq!(p.valid_bytes(), 4 * 4096);
+    }
+
+    #[test]
+    fn huge_page_split() {
+        let two_m = 2 * MIB;
+        let (w, p) = split_to_pages(GuestRange::new(0, 4 * MIB), two_m);
+        assert_eq!(w, Some(GuestRange::new(0, 4 * MIB)));
+        assert!(p.is_empty());
+        let (w, p) = split_to_pages(GuestRange::new(MIB, 4 * MIB), two_m);
+        assert_eq!(w, Some(GuestRange::new(two_m, two_m)));
+        assert_eq!(
+            p,
+            vec![GuestRange::new(MIB, MIB), GuestRange::new(4 * MIB, MIB)]
+        );
+        let (w, p) = split_to_pages(GuestRange::new(4096, 4096), two_m);
+        assert_eq!(w, None);
+        assert_eq!(p, vec![GuestRange::new(4096, 4096)]);
+        let (w, _) = split_to_pages(GuestRange::new(4096, 4096), 4096);
+        assert_eq!(w, Some(GuestRange::new(4096, 4096)));
+        // found by the fuzzer: an overflowing range is never "whole"
+        let (w, p) = split_to_pages(GuestRange::new(u64::MAX, 2), 1);
+        assert_eq!((w, p), (None, vec![GuestRange::new(u64::MAX, 2)]));
+    }
+
+    #[test]
+    fn stats_parsing() {
+        let mut b = vec![4u8, 0];
+        b.extend_from_slice(&1234u64.to_le_bytes());
+        b.extend_from_slice(&[5, 0]);
+        b.extend_from_slice(&u64::MAX.to_le_bytes());
+        assert_eq!(
+            parse_stats(&b).unwrap(),
+            vec![
+                Stat { tag: 4, val: 1234 },
+                Stat {
+                    tag: 5,
+                    val: u64::MAX
+                }
+            ]
+        );
+        assert_eq!(parse_stats(&b[..11]), Err(RangeError::StatsLength(11)));
+    }
+
+    #[test]
+    fn config_space() {
+        let c = BalloonConfig {
+            num_pages: 0x100,
+            actual: 2,
+            free_page_hint_cmd_id: 0,
+            poison_val: 0,
+        };
+        assert_eq!(c.read(0, 4), vec![0, 1, 0, 0]);
+        assert_eq!(c.read(14, 4), vec![0, 0, 0, 0]);
+        assert_eq!(c.read(u32::MAX, 2), vec![0, 0]);
+        let n = c.apply_write(4, &7u32.to_le_bytes()).unwrap();
+        assert_eq!(n.actual, 7);
+        let n = n.apply_write(12, &0xaaaa_aaaau32.to_le_bytes()).unwrap();
+        assert_eq!(n.poison_val, 0xaaaa_aaaa);
+        let n = n.apply_write(5, &[1]).unwrap();
+        assert_eq!(n.actual, 0x107);
+        assert!(matches!(
+            c.apply_write(0, &[1, 2, 3, 4]),
+            Err(RangeError::ConfigReadOnly { .. })
+        ));
+        assert!(matches!(
+            c.apply_write(2, &[0; 4]),
+            Err(RangeError::ConfigReadOnly { .. })
+        ));
+        assert!(matches!(
+            c.apply_write(14, &[0; 4]),
+            Err(RangeError::ConfigOutOfBounds { .. })
+        ));
+        assert!(matches!(
+            c.apply_write(u32::MAX, &[0]),
+            Err(RangeError::ConfigOutOfBounds { .. })
+        ));
+    }
+}

@@ -1,0 +1,917 @@
+//! Connection shim between the frontend socket and the vhost-user-backend
+//! library.
+//!
+//! Why it exists:
+//! * The library only accepts an `AF_UNIX` stream socket in
+//!   `VHOST_USER_SET_BACKEND_REQ_FD` (anything else is NACKed and the
+//!   connection dropped); some frontends pass a pipe there.
+//! * The library's `Backend` cannot send `CONFIG_CHANGE_MSG`.
+//! * User-Mode Linux (`arch/um/drivers/virtio_uml.c`) sends SET_MEM_TABLE
+//!   with unused region slots, which the library rejects
+//!   ([`normalize_mem_table`]).
+//! * UML re-probes a driver without ever stopping its rings
+//!   (no GET_VRING_BASE); [`RingTracker`] stops them in the library.
+//!
+//! So the shim relays every message, except that the fd of
+//! SET_BACKEND_REQ_FD is kept here as a [`BackendChannel`] (used to send
+//! config change notifications, without asking for a reply) and the library
+//! gets one end of a socketpair instead; whatever the library sends on it is
+//! bridged to the real channel, replies it waits for (REPLY_ACK) are
+//! synthesised locally. Replies from the library are relayed message by
+//! message, minus the replies to the shim's own GET_VRING_BASE requests. The
+//! shim also observes SET_PROTOCOL_FEATURES for the counters.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::net::Shutdown;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
+
+use log::{debug, info, warn};
+use thiserror::Error;
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+
+/// `VHOST_USER_BACKEND_CONFIG_CHANGE_MSG` (backend -> frontend).
+pub const BACKEND_CONFIG_CHANGE_MSG: u32 = 2;
+/// `VHOST_USER_SET_PROTOCOL_FEATURES`.
+pub const REQ_SET_PROTOCOL_FEATURES: u32 = 16;
+/// `VHOST_USER_SET_BACKEND_REQ_FD` (`SET_SLAVE_REQ_FD`).
+pub const REQ_SET_BACKEND_REQ_FD: u32 = 21;
+/// `VHOST_USER_SET_MEM_TABLE`.
+pub const REQ_SET_MEM_TABLE: u32 = 5;
+/// `VHOST_USER_GET_FEATURES`.
+pub const REQ_GET_FEATURES: u32 = 1;
+/// `VHOST_USER_SET_FEATURES`.
+pub const REQ_SET_FEATURES: u32 = 2;
+/// `VHOST_USER_SET_VRING_NUM`.
+pub const REQ_SET_VRING_NUM: u32 = 8;
+/// `VHOST_USER_SET_VRING_ADDR`.
+pub const REQ_SET_VRING_ADDR: u32 = 9;
+/// `VHOST_USER_SET_VRING_BASE`.
+pub const REQ_SET_VRING_BASE: u32 = 10;
+/// `VHOST_USER_GET_VRING_BASE`.
+pub const REQ_GET_VRING_BASE: u32 = 11;
+/// `VHOST_USER_SET_VRING_KICK`.
+pub const REQ_SET_VRING_KICK: u32 = 12;
+/// `VHOST_USER_SET_VRING_CALL`.
+pub const REQ_SET_VRING_CALL: u32 = 13;
+/// `VHOST_USER_F_PROTOCOL_FEATURES` (virtio feature bit 30).
+const F_PROTOCOL_FEATURES: u64 = 1 << 30;
+/// SET_VRING_KICK/CALL payload: no fd attached.
+const VRING_NOFD_MASK: u64 = 0x100;
+/// Rings the tracker knows about (vhost-user indexes are 8 bits; the
+/// device has 4).
+const MAX_RINGS: usize = 64;
+/// `struct VhostUserMemory` header (num_regions, padding).
+pub const MEM_TABLE_HDR: usize = 8;
+/// `struct VhostUserMemoryRegion` (guest_phys_addr, size, user_addr, mmap_offset).
+pub const MEM_REGION_SIZE: usize = 32;
+/// Header size: request, flags, size (all u32).
+pub const HDR_SIZE: usize = 12;
+const FLAG_VERSION: u32 = 0x1;
+const FLAG_REPLY: u32 = 0x4;
+const FLAG_NEED_REPLY: u32 = 0x8;
+/// Largest payload we relay (the spec's messages are far smaller).
+pub const MAX_PAYLOAD: usize = 64 * 1024;
+const MAX_FDS: usize = 32;
+
+/// Error of this module.
+#[derive(Debug, Error)]
+pub enum ShimError {
+    /// Socket I/O failed.
+    #[error("shim I/O: {0}")]
+    Io(#[from] io::Error),
+    /// A message announced an absurd payload size.
+    #[error("message payload of {0} bytes is too large")]
+    TooLarge(u32),
+    /// Spawning a relay thread failed.
+    #[error("cannot spawn relay thread: {0}")]
+    Spawn(io::Error),
+}
+
+/// Trims the unused tail of a SET_MEM_TABLE payload.
+///
+/// User-Mode Linux (`vhost_user_set_mem_table()` in
+/// `arch/um/drivers/virtio_uml.c`) always sends the whole fixed-size
+/// `struct vhost_user_mem_regions` (room for 2 regions, 72 bytes) and sets
+/// `num` to the regions actually used (1 unless UML has highmem). The `vhost`
+/// crate insists on `size == 8 + num * 32` and answers anything else with
+/// a NACK and a dropped connection. The unused slots carry no information,
+/// so the message is cut down to `num` regions. `msg` is the whole message
+/// (header + payload); returns the number of bytes removed. Messages that are
+/// already exact, too short or claim more regions than they carry are left
+/// alone (the library rejects the broken ones).
+pub fn normalize_mem_table(msg: &mut Vec<u8>) -> usize {
+    if msg.len() < HDR_SIZE + MEM_TABLE_HDR {
+        return 0;
+    }
+    let mut h = [0u8; HDR_SIZE];
+    h.copy_from_slice(&msg[..HDR_SIZE]);
+    let mut hdr = Header::parse(&h);
+    if hdr.request != REQ_SET_MEM_TABLE {
+        return 0;
+    }
+    let p = &msg[HDR_SIZE..];
+    let num = u32::from_le_bytes([p[0], p[1], p[2], p[3]]);
+    let Some(want) = usize::try_from(num)
+        .ok()
+        .and_then(|n| n.checked_mul(MEM_REGION_SIZE))
+        .and_then(|n| n.checked_add(MEM_TABLE_HDR))
+    else {
+        return 0;
+    };
+    if num == 0 || want >= p.len() {
+        return 0;
+    }
+    let cut = p.len() - want;
+    msg.truncate(HDR_SIZE + want);
+    // `want` < the received size, which fit in a u32.
+    hdr.size = u32::try_from(want).unwrap_or(hdr.size);
+    msg[..HDR_SIZE].copy_from_slice(&hdr.to_bytes());
+    cut
+}
+
+/// What the shim does to the library before relaying a frontend message.
+#[derive(Debug, PartialEq, Eq)]
+pub struct RingStop {
+    /// Ring to stop (a synthetic GET_VRING_BASE, its reply is swallowed).
+    pub index: u8,
+    /// Hand the library the ring's call fd again afterwards (GET_VRING_BASE
+    /// makes it forget it, and the frontend will not send it again).
+    pub recall: bool,
+}
+
+/// Follows the ring life cycle of one connection so that a ring the frontend
+/// sets up again is stopped in the library first.
+///
+/// The library (`vhost-user-backend`) only starts a ring on the transition
+/// "not ready -> kick fd set" and only stops it on GET_VRING_BASE. User-Mode
+/// Linux never sends GET_VRING_BASE: when the guest driver is removed and
+/// probed again (`unbind`/`bind`, a driver reset) it just sends SET_FEATURES,
+/// SET_MEM_TABLE and CALL/NUM/BASE/ADDR/KICK for every ring again. The
+/// library would keep the old ring running, never watch the new kick fd,
+/// and the new driver would wait forever for its buffers (e.g. the free page
+/// reporting worker, which blocks power-off). So:
+///
+/// * SET_VRING_NUM, SET_VRING_BASE or SET_VRING_KICK for a ring that was
+///   started (kick fd given) since its last stop first stops that ring, then
+///   hands the library the latest call fd again (GET_VRING_BASE drops it);
+///   CALL and ADDR alone do not stop a ring (frontends change them on running
+///   rings);
+/// * GET_FEATURES while rings run and `VHOST_USER_F_PROTOCOL_FEATURES` is
+///   not negotiated (so the frontend has no SET_VRING_ENABLE) stops all
+///   rings: that is how UML's `vu_del_vqs()` ends ("ensure previous messages
+///   have been processed") before the guest frees the rings. Without it the
+///   device could still write to freed ring memory (e.g. hand back the held
+///   stats buffer).
+#[derive(Debug, Default)]
+pub struct RingTracker {
+    started: u64,
+    call: Vec<Option<OwnedFd>>,
+    protocol_acked: bool,
+}
+
+fn payload_u32(p: &[u8]) -> Option<u32> {
+    Some(u32::from_le_bytes(p.get(..4)?.try_into().ok()?))
+}
+
+fn payload_u64(p: &[u8]) -> Option<u64> {
+    Some(u64::from_le_bytes(p.get(..8)?.try_into().ok()?))
+}
+
+impl RingTracker {
+    fn is_started(&self, i: u8) -> bool {
+        usize::from(i) < MAX_RINGS && self.started & (1u64 << i) != 0
+    }
+
+    fn stop(&mut self, i: u8, recall: bool, out: &mut Vec<RingStop>) {
+        if self.is_started(i) {
+            self.started &= !(1u64 << i);
+            out.push(RingStop { index: i, recall });
+        }
+    }
+
+    /// The call fd the library last got for ring `i` (for `recall`).
+    pub fn call_fd(&self, i: u8) -> Option<&OwnedFd> {
+        self.call.get(usize::from(i)).and_then(Option::as_ref)
+    }
+
+    fn set_call(&mut self, i: u8, fd: Option<OwnedFd>) {
+        let i = usize::from(i);
+        if i < MAX_RINGS {
+            if self.call.len() <= i {
+                self.call.resize_with(i + 1, || None);
+            }
+            self.call[i] = fd;
+        }
+    }
+
+    /// Updates the state for one frontend message (`payload` without the
+    /// header, `fds` as received) and returns the rings to stop first.
+    pub fn before_forward(
+        &mut self,
+        request: u32,
+        payload: &[u8],
+        fds: &[OwnedFd],
+    ) -> Vec<RingStop> {
+        let mut out = Vec::new();
+        match request {
+            REQ_SET_FEATURES => {
+                if let Some(v) = payload_u64(payload) {
+                    self.protocol_acked = v & F_PROTOCOL_FEATURES != 0;
+                }
+            }
+            REQ_GET_FEATURES if self.started != 0 && !self.protocol_acked => {
+                // Keep the call fds in the library: UML still polls their
+                // read ends until it frees the rings, and closing the write
+                // ends would show it an EOF ("read returned 0" warnings).
+                for i in 0..MAX_RINGS as u8 {
+                    self.stop(i, true, &mut out);
+                }
+            }
+            // Not SET_VRING_ADDR and SET_VRING_CALL: QEMU-style frontends
+            // legitimately send those to a running ring (dirty logging,
+            // notifier masking). A ring set up again always gets NUM and
+            // BASE first.
+            REQ_SET_VRING_NUM | REQ_SET_VRING_BASE => {
+                if let Some(i) = payload_u32(payload).and_then(|i| u8::try_from(i).ok()) {
+                    self.stop(i, true, &mut out);
+                }
+            }
+            REQ_GET_VRING_BASE => {
+                if let Some(i) = payload_u32(payload).and_then(|i| u8::try_from(i).ok()) {
+                    if self.is_started(i) {
+                        self.started &= !(1u64 << i);
+                    }
+                    self.set_call(i, None);
+                }
+            }
+            REQ_SET_VRING_CALL | REQ_SET_VRING_KICK => {
+                let Some(v) = payload_u64(payload) else {
+                    return out;
+                };
+                let i = (v & 0xff) as u8;
+                let has_fd = v & VRING_NOFD_MASK == 0 && fds.len() == 1;
+                if request == REQ_SET_VRING_CALL {
+                    self.set_call(
+                        i,
+                        if has_fd {
+                            fds[0].try_clone().ok()
+                        } else {
+                            None
+                        },
+                    );
+                } else {
+                    self.stop(i, true, &mut out);
+                    if has_fd && usize::from(i) < MAX_RINGS {
+                        self.started |= 1u64 << i;
+                    }
+                }
+            }
+            _ => {}
+        }
+        out
+    }
+}
+
+/// Replies of GET_VRING_BASE in flight, in order: `true` for those the shim
+/// asked for itself (to be swallowed).
+type ReplyQueue = Arc<Mutex<VecDeque<bool>>>;
+
+fn vring_state_msg(request: u32, index: u32, num: u32) -> Vec<u8> {
+    let mut m = Header {
+        request,
+        flags: FLAG_VERSION,
+        size: 8,
+    }
+    .to_bytes()
+    .to_vec();
+    m.extend_from_slice(&index.to_le_bytes());
+    m.extend_from_slice(&num.to_le_bytes());
+    m
+}
+
+/// Stops ring `stop.index` in the library (and gives it the call fd again).
+fn stop_ring(
+    back: &UnixStream,
+    tracker: &RingTracker,
+    replies: &ReplyQueue,
+    stop: &RingStop,
+    why: &str,
+) -> io::Result<()> {
+    info!("stopping ring {} (frontend {})", stop.index, why);
+    replies
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push_back(true);
+    send_all(
+        back,
+        &vring_state_msg(REQ_GET_VRING_BASE, u32::from(stop.index), 0),
+        &[],
+    )?;
+    if stop.recall {
+        if let Some(fd) = tracker.call_fd(stop.index) {
+            let mut m = Header {
+                request: REQ_SET_VRING_CALL,
+                flags: FLAG_VERSION,
+                size: 8,
+            }
+            .to_bytes()
+            .to_vec();
+            m.extend_from_slice(&u64::from(stop.index).to_le_bytes());
+            send_all(back, &m, &[fd.as_raw_fd()])?;
+        }
+    }
+    Ok(())
+}
+
+/// Parsed vhost-user message header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// Request code.
+    pub request: u32,
+    /// Flags.
+    pub flags: u32,
+    /// Payload size.
+    pub size: u32,
+}
+
+impl Header {
+    /// Parses 12 header bytes.
+    pub fn parse(b: &[u8; HDR_SIZE]) -> Self {
+        let rd = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        Self {
+            request: rd(0),
+            flags: rd(4),
+            size: rd(8),
+        }
+    }
+
+    /// Serialises the header.
+    pub fn to_bytes(self) -> [u8; HDR_SIZE] {
+        let mut b = [0u8; HDR_SIZE];
+        b[0..4].copy_from_slice(&self.request.to_le_bytes());
+        b[4..8].copy_from_slice(&self.flags.to_le_bytes());
+        b[8..12].copy_from_slice(&self.size.to_le_bytes());
+        b
+    }
+}
+
+fn sys_err(e: vmm_sys_util::errno::Error) -> io::Error {
+    io::Error::from_raw_os_error(e.errno())
+}
+
+/// Receives exactly `buf.len()` bytes, collecting any passed fds. Returns
+/// `Ok(false)` on a clean EOF before the first byte.
+fn recv_exact(sock: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<bool> {
+    let mut got = 0;
+    while got < buf.len() {
+        let rest = &mut buf[got..];
+        let mut iov = [libc::iovec {
+            iov_base: rest.as_mut_ptr().cast(),
+            iov_len: rest.len(),
+        }];
+        let mut raw: [RawFd; MAX_FDS] = [-1; MAX_FDS];
+        // SAFETY: the iovec points into `buf`, which outlives the call.
+        let res = unsafe { sock.recv_with_fds(&mut iov, &mut raw) };
+        let (n, nfds) = match res {
+            Ok(v) => v,
+            Err(e) if e.errno() == libc::EINTR => continue,
+            Err(e) => return Err(sys_err(e)),
+        };
+        for &fd in raw.iter().take(nfds) {
+            // SAFETY: the kernel just installed these fds for us; we own them.
+            fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+        }
+        if n == 0 {
+            if got == 0 {
+                return Ok(false);
+            }
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        got += n;
+    }
+    Ok(true)
+}
+
+/// Sends all of `data`, attaching `fds` to the first chunk.
+fn send_all(sock: &UnixStream, data: &[u8], fds: &[RawFd]) -> io::Result<()> {
+    let mut sent = 0;
+    let mut fds = fds;
+    while sent < data.len() {
+        match sock.send_with_fds(&[&data[sent..]], fds) {
+            Ok(n) => {
+                sent += n;
+                fds = &[];
+            }
+            Err(e) if e.errno() == libc::EINTR => continue,
+            Err(e) => return Err(sys_err(e)),
+        }
+    }
+    Ok(())
+}
+
+fn is_socket(fd: &OwnedFd) -> bool {
+    let Ok(dup) = fd.try_clone() else {
+        return false;
+    };
+    File::from(dup)
+        .metadata()
+        .map(|m| m.file_type().is_socket())
+        .unwrap_or(false)
+}
+
+/// The frontend's backend request channel (a socket, or a pipe on UML).
+/// Messages are written with plain `write()` and never ask for a reply.
+#[derive(Debug)]
+pub struct BackendChannel {
+    file: Mutex<File>,
+}
+
+impl BackendChannel {
+    /// Wraps the fd received in SET_BACKEND_REQ_FD.
+    pub fn new(fd: OwnedFd) -> Self {
+        Self {
+            file: Mutex::new(File::from(fd)),
+        }
+    }
+
+    /// Writes one message (header flags: NEED_REPLY cleared).
+    pub fn send(&self, mut hdr: Header, payload: &[u8]) -> io::Result<()> {
+        hdr.flags = (hdr.flags | FLAG_VERSION) & !FLAG_NEED_REPLY;
+        let mut msg = hdr.to_bytes().to_vec();
+        msg.extend_from_slice(payload);
+        let mut f = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        f.write_all(&msg)
+    }
+
+    /// Sends VHOST_USER_BACKEND_CONFIG_CHANGE_MSG.
+    pub fn send_config_change(&self) -> io::Result<()> {
+        self.send(
+            Header {
+                request: BACKEND_CONFIG_CHANGE_MSG,
+                flags: FLAG_VERSION,
+                size: 0,
+            },
+            &[],
+        )
+    }
+}
+
+/// Bridges backend requests from the library (socket `ours`) to the real
+/// channel, acknowledging locally when the library wants a reply.
+fn bridge_backend_requests(mut ours: UnixStream, chan: Arc<BackendChannel>) {
+    loop {
+        let mut h = [0u8; HDR_SIZE];
+        if ours.read_exact(&mut h).is_err() {
+            return;
+        }
+        let hdr = Header::parse(&h);
+        let Ok(size) = usize::try_from(hdr.size) else {
+            return;
+        };
+        if size > MAX_PAYLOAD {
+            return;
+        }
+        let mut payload = vec![0u8; size];
+        if ours.read_exact(&mut payload).is_err() {
+            return;
+        }
+        let res = chan.send(hdr, &payload);
+        debug!("backend request {} bridged: {res:?}", hdr.request);
+        if hdr.flags & FLAG_NEED_REPLY != 0 {
+            let reply = Header {
+                request: hdr.request,
+                flags: FLAG_VERSION | FLAG_REPLY,
+                size: 8,
+            };
+            let mut r = reply.to_bytes().to_vec();
+            r.extend_from_slice(&u64::from(res.is_err()).to_le_bytes());
+            if ours.write_all(&r).is_err() {
+                return;
+            }
+        }
+        if res.is_err() {
+            return;
+        }
+    }
+}
+
+/// Callbacks from the shim into the device.
+pub struct Hooks {
+    /// SET_PROTOCOL_FEATURES value.
+    pub on_protocol_features: Box<dyn Fn(u64) + Send>,
+    /// SET_BACKEND_REQ_FD channel.
+    pub on_backend_channel: Box<dyn Fn(Arc<BackendChannel>) + Send>,
+}
+
+/// Relays frontend -> library, message by message.
+fn frontend_to_backend(
+    front: &UnixStream,
+    back: &UnixStream,
+    hooks: &Hooks,
+    replies: &ReplyQueue,
+) -> Result<(), ShimError> {
+    let mut rings = RingTracker::default();
+    loop {
+        let mut fds = Vec::new();
+        let mut h = [0u8; HDR_SIZE];
+        if !recv_exact(front, &mut h, &mut fds)? {
+            return Ok(());
+        }
+        let hdr = Header::parse(&h);
+        let size = usize::try_from(hdr.size).unwrap_or(usize::MAX);
+        if size > MAX_PAYLOAD {
+            return Err(ShimError::TooLarge(hdr.size));
+        }
+        let mut msg = h.to_vec();
+        msg.resize(HDR_SIZE + size, 0);
+        if size > 0 && !recv_exact(front, &mut msg[HDR_SIZE..], &mut fds)? {
+            return Err(ShimError::Io(io::ErrorKind::UnexpectedEof.into()));
+        }
+        debug!(
+            "frontend request {} flags {:#x} size {} fds {} payload {:02x?}",
+            hdr.request,
+            hdr.flags,
+            hdr.size,
+            fds.len(),
+            &msg[HDR_SIZE..HDR_SIZE + size.min(48)]
+        );
+        let cut = normalize_mem_table(&mut msg);
+        if cut > 0 {
+            debug!("SET_MEM_TABLE: dropped {cut} bytes of unused region slots");
+        }
+        let why = if hdr.request == REQ_GET_FEATURES {
+            "tears the rings down"
+        } else {
+            "sets the ring up again"
+        };
+        for stop in rings.before_forward(hdr.request, &msg[HDR_SIZE..], &fds) {
+            stop_ring(back, &rings, replies, &stop, why)?;
+        }
+        if hdr.request == REQ_GET_VRING_BASE {
+            replies
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push_back(false);
+        }
+        if hdr.request == REQ_SET_PROTOCOL_FEATURES && size == 8 {
+            let mut v = [0u8; 8];
+            v.copy_from_slice(&msg[HDR_SIZE..]);
+            (hooks.on_protocol_features)(u64::from_le_bytes(v));
+        }
+        if hdr.request == REQ_SET_BACKEND_REQ_FD && fds.len() == 1 {
+            if is_socket(&fds[0]) {
+                info!("frontend gave us a backend request socket");
+            } else {
+                info!(
+                    "backend request fd is a pipe (User-Mode Linux): no replies will be requested"
+                );
+            }
+            let chan = Arc::new(BackendChannel::new(fds.remove(0)));
+            let (ours, theirs) = UnixStream::pair()?;
+            let c2 = chan.clone();
+            thread::Builder::new()
+                .name("backend-req-bridge".into())
+                .spawn(move || bridge_backend_requests(ours, c2))
+                .map_err(ShimError::Spawn)?;
+            fds.push(OwnedFd::from(theirs));
+            (hooks.on_backend_channel)(chan);
+        }
+        let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+        send_all(back, &msg, &raw)?;
+        // our copies of the fds are closed here; the library has its own
+    }
+}
+
+/// Relays library -> frontend message by message (with any fds), dropping
+/// the replies to the shim's own GET_VRING_BASE requests.
+fn backend_to_frontend(
+    back: &UnixStream,
+    front: &UnixStream,
+    replies: &ReplyQueue,
+) -> Result<(), ShimError> {
+    loop {
+        let mut fds = Vec::new();
+        let mut h = [0u8; HDR_SIZE];
+        if !recv_exact(back, &mut h, &mut fds)? {
+            return Ok(());
+        }
+        let hdr = Header::parse(&h);
+        let size = usize::try_from(hdr.size).unwrap_or(usize::MAX);
+        if size > MAX_PAYLOAD {
+            return Err(ShimError::TooLarge(hdr.size));
+        }
+        let mut msg = h.to_vec();
+        msg.resize(HDR_SIZE + size, 0);
+        if size > 0 && !recv_exact(back, &mut msg[HDR_SIZE..], &mut fds)? {
+            return Err(ShimError::Io(io::ErrorKind::UnexpectedEof.into()));
+        }
+        if hdr.request == REQ_GET_VRING_BASE && hdr.flags & FLAG_REPLY != 0 {
+            let ours = replies
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pop_front()
+                .unwrap_or(false);
+            if ours {
+                debug!(
+                    "swallowed reply to our GET_VRING_BASE: {:02x?}",
+                    &msg[HDR_SIZE..]
+                );
+                continue;
+            }
+        }
+        debug!(
+            "to frontend: request {} flags {:#x} size {}",
+            hdr.request, hdr.flags, hdr.size
+        );
+        let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+        send_all(front, &msg, &raw)?;
+    }
+}
+
+/// Running shim of one connection.
+pub struct Shim {
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Shim {
+    /// Starts relaying between `front` (the frontend) and `back` (the
+    /// library's end). `on_proto` sees SET_PROTOCOL_FEATURES values.
+    pub fn spawn(front: UnixStream, back: UnixStream, hooks: Hooks) -> Result<Self, ShimError> {
+        let (f1, b1) = (front.try_clone()?, back.try_clone()?);
+        let replies: ReplyQueue = Arc::default();
+        let r2 = replies.clone();
+        let t1 = thread::Builder::new()
+            .name("shim-f2b".into())
+            .spawn(move || {
+                if let Err(e) = frontend_to_backend(&f1, &b1, &hooks, &replies) {
+                    warn!("frontend connection: {e}");
+                }
+                let _ = b1.shutdown(Shutdown::Both);
+                let _ = f1.shutdown(Shutdown::Both);
+            })
+            .map_err(ShimError::Spawn)?;
+        let t2 = thread::Builder::new()
+            .name("shim-b2f".into())
+            .spawn(move || {
+                if let Err(e) = backend_to_frontend(&back, &front, &r2) {
+                    debug!("backend side: {e}");
+                }
+                let _ = front.shutdown(Shutdown::Both);
+                let _ = back.shutdown(Shutdown::Both);
+            })
+            .map_err(ShimError::Spawn)?;
+        Ok(Self {
+            threads: vec![t1, t2],
+        })
+    }
+
+    /// Waits for both relay threads.
+    pub fn join(self) {
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_roundtrip() {
+        let h = Header {
+            request: 21,
+            flags: 9,
+            size: 8,
+        };
+        assert_eq!(Header::parse(&h.to_bytes()), h);
+    }
+
+    fn mem_table_msg(num: u32, slots: usize) -> Vec<u8> {
+        let size = MEM_TABLE_HDR + slots * MEM_REGION_SIZE;
+        let mut m = Header {
+            request: REQ_SET_MEM_TABLE,
+            flags: FLAG_VERSION | FLAG_NEED_REPLY,
+            size: u32::try_from(size).unwrap(),
+        }
+        .to_bytes()
+        .to_vec();
+        m.extend_from_slice(&num.to_le_bytes());
+        m.extend_from_slice(&[0; 4]);
+        for i in 0..slots {
+            let v = u8::try_from(i + 1).unwrap();
+            m.extend_from_slice(&[v; MEM_REGION_SIZE]);
+        }
+        m
+    }
+
+    fn hdr_of(m: &[u8]) -> Header {
+        let mut h = [0u8; HDR_SIZE];
+        h.copy_from_slice(&m[..HDR_SIZE]);
+        Header::parse(&h)
+    }
+
+    #[test]
+    fn uml_mem_table_is_trimmed_to_used_regions() {
+        // UML: num = 1 in a 2-slot (72 byte) payload
+        let mut m = mem_table_msg(1, 2);
+        assert_eq!(normalize_mem_table(&mut m), MEM_REGION_SIZE);
+        assert_eq!(m.len(), HDR_SIZE + MEM_TABLE_HDR + MEM_REGION_SIZE);
+        let h = hdr_of(&m);
+        assert_eq!(h.size, 40);
+        assert_eq!(h.flags, FLAG_VERSION | FLAG_NEED_REPLY);
+        assert_eq!(&m[HDR_SIZE + MEM_TABLE_HDR..], &[1u8; MEM_REGION_SIZE]);
+    }
+
+    #[test]
+    fn exact_or_broken_mem_tables_are_left_alone() {
+        for (num, slots) in [(2, 2), (1, 1), (3, 2), (0, 2), (u32::MAX, 1)] {
+            let mut m = mem_table_msg(num, slots);
+            let orig = m.clone();
+            assert_eq!(normalize_mem_table(&mut m), 0, "num {num} slots {slots}");
+            assert_eq!(m, orig);
+        }
+        let mut other = mem_table_msg(1, 2);
+        other[0] = 6;
+        assert_eq!(normalize_mem_table(&mut other), 0);
+        let mut short = mem_table_msg(1, 0);
+        short.truncate(HDR_SIZE + 4);
+        assert_eq!(normalize_mem_table(&mut short), 0);
+    }
+
+    fn eventfd() -> OwnedFd {
+        // SAFETY: plain syscall; the result is checked before use.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: fresh fd we own.
+        unsafe { OwnedFd::from_raw_fd(fd) }
+    }
+
+    fn ring_u64(i: u64) -> Vec<u8> {
+        i.to_le_bytes().to_vec()
+    }
+
+    fn ring_state(i: u32) -> Vec<u8> {
+        let mut v = i.to_le_bytes().to_vec();
+        v.extend_from_slice(&0u32.to_le_bytes());
+        v
+    }
+
+    /// UML's vu_find_vqs(): CALL, NUM, BASE, ADDR per ring, then KICK each.
+    fn uml_setup(t: &mut RingTracker, rings: u8) -> Vec<RingStop> {
+        let mut stops = Vec::new();
+        for i in 0..rings {
+            stops.extend(t.before_forward(REQ_SET_VRING_CALL, &ring_u64(i.into()), &[eventfd()]));
+            for req in [REQ_SET_VRING_NUM, REQ_SET_VRING_BASE, REQ_SET_VRING_ADDR] {
+                stops.extend(t.before_forward(req, &ring_state(i.into()), &[]));
+            }
+        }
+        for i in 0..rings {
+            stops.extend(t.before_forward(REQ_SET_VRING_KICK, &ring_u64(i.into()), &[eventfd()]));
+        }
+        stops
+    }
+
+    #[test]
+    fn first_setup_stops_nothing() {
+        let mut t = RingTracker::default();
+        t.before_forward(REQ_SET_FEATURES, &ring_u64(1 << 30), &[]);
+        assert!(uml_setup(&mut t, 4).is_empty());
+        assert!(t.call_fd(3).is_some());
+        // with PROTOCOL_FEATURES the frontend can disable rings itself:
+        // GET_FEATURES is just a query
+        assert!(t.before_forward(REQ_GET_FEATURES, &[], &[]).is_empty());
+    }
+
+    #[test]
+    fn uml_reprobe_stops_each_ring_before_it_is_set_up_again() {
+        let mut t = RingTracker::default();
+        t.before_forward(REQ_SET_FEATURES, &ring_u64(0x1_0000_0027), &[]);
+        uml_setup(&mut t, 4);
+        let stops = uml_setup(&mut t, 4);
+        let want: Vec<RingStop> = (0..4)
+            .map(|index| RingStop {
+                index,
+                recall: true,
+            })
+            .collect();
+        assert_eq!(stops, want);
+    }
+
+    #[test]
+    fn uml_teardown_get_features_stops_all_rings_keeping_call_fds() {
+        let mut t = RingTracker::default();
+        t.before_forward(REQ_SET_FEATURES, &ring_u64(0x1_0000_0027), &[]);
+        uml_setup(&mut t, 3);
+        let stops = t.before_forward(REQ_GET_FEATURES, &[], &[]);
+        assert_eq!(stops.len(), 3);
+        assert!(stops.iter().all(|s| s.recall));
+        assert!(t.call_fd(0).is_some());
+        // nothing runs any more: a second GET_FEATURES and the new setup are quiet
+        assert!(t.before_forward(REQ_GET_FEATURES, &[], &[]).is_empty());
+        assert!(uml_setup(&mut t, 3).is_empty());
+    }
+
+    #[test]
+    fn new_kick_or_base_on_a_running_ring_stops_it_and_recalls() {
+        let mut t = RingTracker::default();
+        uml_setup(&mut t, 2);
+        // a new call fd or ring address alone keeps the ring running
+        let call = t.before_forward(REQ_SET_VRING_CALL, &ring_u64(1), &[eventfd()]);
+        assert!(call.is_empty());
+        assert!(t
+            .before_forward(REQ_SET_VRING_ADDR, &ring_state(1), &[])
+            .is_empty());
+        let s = t.before_forward(REQ_SET_VRING_BASE, &ring_state(1), &[]);
+        assert_eq!(
+            s,
+            vec![RingStop {
+                index: 1,
+                recall: true
+            }]
+        );
+        let s = t.before_forward(REQ_SET_VRING_KICK, &ring_u64(0), &[eventfd()]);
+        assert_eq!(
+            s,
+            vec![RingStop {
+                index: 0,
+                recall: true
+            }]
+        );
+        // ring 0 runs again (new kick), ring 1 waits for its kick
+        assert_eq!(
+            t.before_forward(REQ_SET_VRING_NUM, &ring_state(1), &[]),
+            vec![]
+        );
+    }
+
+    #[test]
+    fn frontend_get_vring_base_stops_tracking_and_no_fd_kick_does_not_start() {
+        let mut t = RingTracker::default();
+        uml_setup(&mut t, 1);
+        assert!(t
+            .before_forward(REQ_GET_VRING_BASE, &ring_state(0), &[])
+            .is_empty());
+        assert!(t.call_fd(0).is_none());
+        assert!(uml_setup(&mut t, 1).is_empty());
+        // a kick without fd (polling) does not start the ring in the library
+        let mut t = RingTracker::default();
+        t.before_forward(REQ_SET_VRING_KICK, &ring_u64(0x100), &[]);
+        assert!(t
+            .before_forward(REQ_SET_VRING_NUM, &ring_state(0), &[])
+            .is_empty());
+        // garbage payloads and huge indexes are ignored
+        assert!(t.before_forward(REQ_SET_VRING_NUM, &[1, 2], &[]).is_empty());
+        assert!(t
+            .before_forward(REQ_GET_VRING_BASE, &ring_state(300), &[])
+            .is_empty());
+        assert!(t
+            .before_forward(REQ_SET_VRING_KICK, &ring_u64(200), &[eventfd()])
+            .is_empty());
+        assert!(t
+            .before_forward(REQ_SET_VRING_NUM, &ring_state(200), &[])
+            .is_empty());
+    }
+
+    #[test]
+    fn pipe_bridge_acks_and_strips_need_reply() {
+        let (mut lib, ours) = UnixStream::pair().unwrap();
+        let mut fds = [0; 2];
+        // SAFETY: valid out array.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: fresh fds we own.
+        let (mut rd, wr) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
+        let chan = Arc::new(BackendChannel::new(OwnedFd::from(wr)));
+        let t = thread::spawn(move || bridge_backend_requests(ours, chan));
+        let req = Header {
+            request: 2,
+            flags: FLAG_VERSION | FLAG_NEED_REPLY,
+            size: 0,
+        };
+        lib.write_all(&req.to_bytes()).unwrap();
+        let mut got = [0u8; HDR_SIZE];
+        rd.read_exact(&mut got).unwrap();
+        assert_eq!(
+            Header::parse(&got),
+            Header {
+                request: 2,
+                flags: FLAG_VERSION,
+                size: 0
+            }
+        );
+        let mut rep = [0u8; HDR_SIZE + 8];
+        lib.read_exact(&mut rep).unwrap();
+        let mut hb = [0u8; HDR_SIZE];
+        hb.copy_from_slice(&rep[..HDR_SIZE]);
+        assert_eq!(Header::parse(&hb).flags, FLAG_VERSION | FLAG_REPLY);
+        assert_eq!(&rep[HDR_SIZE..], &[0u8; 8]);
+        drop(lib);
+        t.join().unwrap();
+    }
+}
