@@ -126,11 +126,22 @@ def cmd_demo(args: argparse.Namespace, shell: Shell) -> int:
     ctx = RunContext.create(shell, "demo", platform="qemu", accel=args.accel, patched=False)
     quick = {"reclaim": {"repeat": "1"}, "realloc": {"repeat": "1", "rounds": "2"},
              "migrate": {"rounds": "2"}} if args.quick else {}
+    uml = {"modes": "4k", "mem_mib": "1024", "repeat": quick.get("reclaim", {}).get("repeat", "3")}
+    plan: list[tuple[str, str, dict[str, str]]] = [
+        ("reclaim", "qemu", quick.get("reclaim", {})),
+        ("realloc", "qemu", quick.get("realloc", {})),
+        ("migrate", "qemu", quick.get("migrate", {})),
+        # the same reclaim on UML + vhost-user-balloon, with the kernel's
+        # default per-cpu lists and with them kept small
+        ("reclaim", "uml", uml),
+        ("reclaim", "uml", {**uml, "pcp_high_fraction": "1000"}),
+    ]
     tables = []
-    for name in ("reclaim", "realloc", "migrate"):
+    for name, platform, overrides in plan:
         scenario = scenarios.get(name)
-        print(f"== {name} ==", flush=True)
-        outcome = scenario.run(ctx, scenario.params(quick.get(name, {})))
+        print(f"== {name} on {platform} ==", flush=True)
+        ctx.platform = platform
+        outcome = scenario.run(ctx, scenario.params(overrides))
         print(outcome.table, flush=True)
         tables.append(outcome.table)
         for p in outcome.plots:

@@ -102,7 +102,9 @@ class ReclaimScenario(Scenario):
             "median": {mode: _summary([r for r, m in zip(rounds, rounds_of(params)) if m == mode])
                        for mode in params.modes},
         }
-        plot = ctx.run_dir / f"reclaim-{ctx.platform}.png"
+        label = f"reclaim-{ctx.platform}" + (f"-pcp{params.pcp_high_fraction}"
+                                             if params.pcp_high_fraction else "")
+        plot = ctx.run_dir / f"{label}.png"
         timeline_plot(plot, data["timeline"]["t_s"], data["timeline"]["footprint_mib"],
                       [t - t0 for t in freed],
                       f"reclaim on {ctx.platform}: {params.populate_mib} MiB freed, rounds "
@@ -113,11 +115,13 @@ class ReclaimScenario(Scenario):
         for mode, med in data["median"].items():
             rows.append(["median", mode, f"{med['released_mib']:.0f}", fmt_s(med["t50_s"]),
                          fmt_s(med["t90_s"]), f"{med['fraction'] * 100:.0f}%", ""])
+        pcp = (f", percpu_pagelist_high_fraction={params.pcp_high_fraction}"
+               if params.pcp_high_fraction else "")
         text = (f"reclaim ({ctx.platform}, guest {params.mem_mib} MiB, {params.populate_mib} MiB "
-                f"freed per round, footprint sampled at {sampler.rate_hz():.0f} Hz)\n"
+                f"freed per round{pcp}, footprint sampled at {sampler.rate_hz():.0f} Hz)\n"
                 + table(["round", "mode", "released MiB", "t50 s", "t90 s", "reclaimed",
                          "settled s"], rows))
-        ctx.save(f"reclaim-{ctx.platform}", data)
+        ctx.save(label, data)
         return Outcome(self.name, data, text, [str(plot)])
 
 
