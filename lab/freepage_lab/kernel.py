@@ -19,6 +19,7 @@ from .shell import LabError, Shell, StageResult, timed
 
 ARCHES = ("um", "x86_64")
 VARIANTS = ("release", "debug")
+PATCHED_FRAGMENTS = ("never-zero-twice.config",)
 
 
 # --------------------------------------------------------------------------
@@ -214,6 +215,9 @@ class BuildSpec:
         names = ["common.config", f"{self.arch}.config"]
         if self.variant == "debug":
             names.append("debug.config")
+        if self.patched:
+            # the series' own options (with its debug checks and KUnit suites)
+            names += [f for f in PATCHED_FRAGMENTS if (paths.CONFIG_DIR / f).is_file()]
         names += list(self.extra_fragments)
         out = []
         for name in names:
