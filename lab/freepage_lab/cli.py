@@ -55,7 +55,8 @@ def cmd_series(args: argparse.Namespace, shell: Shell) -> int:
 
 def cmd_boot(args: argparse.Namespace, shell: Shell) -> int:
     ctx = RunContext.create(shell, f"boot-{args.platform}", platform=args.platform,
-                            accel=args.accel, patched=not args.vanilla, variant=args.variant)
+                            accel=args.accel, patched=not args.vanilla, variant=args.variant,
+                            extra_fragments=tuple(args.fragment))
     script = Path(args.script).read_text() if args.script else DEFAULT_BOOT_SCRIPT
     cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("boot", script), mem_mib=args.mem,
                       cmdline=args.cmdline or [])
@@ -77,7 +78,8 @@ def cmd_run(args: argparse.Namespace, shell: Shell) -> int:
     scenario = scenarios.get(args.scenario)
     params = scenario.params(_parse_params(args.param))
     ctx = RunContext.create(shell, f"{args.scenario}-{args.platform}", platform=args.platform,
-                            accel=args.accel, patched=not args.vanilla, variant=args.variant)
+                            accel=args.accel, patched=not args.vanilla, variant=args.variant,
+                            extra_fragments=tuple(args.fragment))
     outcome = scenario.run(ctx, params)
     print(outcome.table)
     for p in outcome.plots:
@@ -169,6 +171,8 @@ def parser() -> argparse.ArgumentParser:
                         help="QEMU accelerator; auto uses KVM only if it is hardware KVM")
         sp.add_argument("--vanilla", action="store_true", help="stock kernel, series not applied")
         sp.add_argument("--variant", choices=kernel.VARIANTS, default="release")
+        sp.add_argument("--fragment", action="append", default=[],
+                        help="extra config fragment for the patched kernel (repeatable)")
 
     b = sub.add_parser("build", help="build guest kernels (cached)")
     b.add_argument("--arch", choices=(*kernel.ARCHES, "all"), default="all")

@@ -4,7 +4,7 @@ from freepage_lab import cli
 from freepage_lab.shell import LabError, Shell
 
 
-@pytest.mark.parametrize("scenario", ["reclaim", "realloc", "migrate"])
+@pytest.mark.parametrize("scenario", ["reclaim", "realloc", "migrate", "zeroskip"])
 def test_dry_run_prints_the_commands_and_runs_nothing(scenario, capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
     assert cli.main(["--dry-run", "run", scenario, "--vanilla", "--accel", "tcg"]) == 0

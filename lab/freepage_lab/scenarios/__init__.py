@@ -58,8 +58,9 @@ def registry() -> dict[str, Scenario]:
     from .migrate import Migrate
     from .realloc import Realloc
     from .reclaim import ReclaimScenario
+    from .zeroskip import Zeroskip
 
-    return {s.name: s for s in (ReclaimScenario(), Realloc(), Migrate())}
+    return {s.name: s for s in (ReclaimScenario(), Realloc(), Migrate(), Zeroskip())}
 
 
 def get(name: str) -> Scenario:

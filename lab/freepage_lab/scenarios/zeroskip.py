@@ -1,0 +1,170 @@
+"""zeroskip: populate memory the host discarded, with and without "never zero twice".
+
+Variants, alternating in one run:
+  vanilla  stock kernel (the overhead reference)
+  off      patched kernel, reported pages not known zero (feature inactive)
+  on       patched kernel, reported pages known zero: on QEMU through the
+           explicit opt-in `virtio_balloon.assume_reported_zero=1` (stock
+           QEMU cannot offer bit 6), on UML through vhost-user-balloon
+           offering bit 6 for real (`off` there runs it with --no-zero-bits).
+Per mode and repetition: populate with data, free, report now (the
+series' page_reporting.flush knob; the stock kernel waits for its 2 s
+timer), then time a populate of the same size with every byte verified and
+the pgzero_* vmstat counters read around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..context import RunContext
+from ..runners import GuestConfig
+from ..shell import LabError
+from ..stats import median_ratio, summarise
+from . import Outcome, Scenario, table
+
+FLUSH = "/sys/module/page_reporting/parameters/flush"
+COUNTERS = ("pgzero_skipped", "pgzero_missed", "pgzero_marked_reported", "pgzero_merge_lost")
+
+
+@dataclass
+class ZeroskipParams:
+    mem_mib: int = 1024
+    populate_mib: int = 256
+    modes: tuple[str, ...] = ("4k", "thp", "hugetlb")
+    variants: tuple[str, ...] = ("vanilla", "off", "on")
+    repeat: int = 3
+    rounds: int = 2
+    settle_s: int = 5
+    pcp_high_fraction: int = 0
+    timeout_s: int = 600
+
+
+def guest_script(p: ZeroskipParams, modes: tuple[str, ...]) -> str:
+    lines = [
+        "[ -w /sys/kernel/mm/transparent_hugepage/enabled ] && "
+        "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled || true",
+        f"echo {p.populate_mib // 2 + 8} > /proc/sys/vm/nr_overcommit_hugepages "
+        "2>/dev/null || true",
+    ]
+    if p.pcp_high_fraction:
+        lines.append(f"echo {p.pcp_high_fraction} > /proc/sys/vm/percpu_pagelist_high_fraction")
+    counters = "|".join(COUNTERS)
+    for mode in modes:
+        for _ in range(p.repeat):
+            lines += [
+                f"populate --mib {p.populate_mib} --mode {mode} --fill 0x5a --tag warm",
+                f"[ -w {FLUSH} ] && echo 1000000 > {FLUSH} || true",
+                f"sleep {p.settle_s}",
+                f"grep -E '^({counters}) ' /proc/vmstat > /tmp/v0 || true",
+                f"populate --mib {p.populate_mib} --mode {mode} --verify --tag measure",
+                f"grep -E '^({counters}) ' /proc/vmstat > /tmp/v1 || true",
+                # one JSON line with the counter deltas of that populate
+                "awk -v m=" + mode + " 'NR==FNR{a[$1]=$2;next}"
+                "{s=s sprintf(\",\\\"%s\\\":%d\",$1,$2-a[$1])}"
+                "END{print \"{\\\"prog\\\":\\\"vmstat\\\",\\\"mode\\\":\\\"\" m \"\\\"\" s \"}\"}'"
+                " /tmp/v0 /tmp/v1",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+class Zeroskip(Scenario):
+    name = "zeroskip"
+    Params = ZeroskipParams
+
+    def _guest(self, ctx: RunContext, params: ZeroskipParams, variant: str, rnd: int,
+               modes: tuple[str, ...]) -> tuple[list[dict], list[dict]]:
+        patched = variant != "vanilla"
+        cfg = GuestConfig(kernel=ctx.kernel(patched=patched),
+                          initrd=ctx.initrd(f"zeroskip-{ctx.platform}",
+                                            guest_script(params, modes)),
+                          mem_mib=params.mem_mib)
+        backend = None
+        if ctx.platform == "qemu":
+            if variant == "on":
+                cfg.cmdline.append("virtio_balloon.assume_reported_zero=1")
+        else:
+            from ..backend import BalloonBackend
+            extra = ["--no-zero-bits"] if variant != "on" else []
+            backend = BalloonBackend(ctx.shell, ctx.run_dir / f"zs-{variant}-{rnd}.sock",
+                                     ctx.log(f"backend-{variant}-{rnd}"), extra)
+            cfg.vhost_user_balloon = backend.socket
+        tag = f"zeroskip-{ctx.platform}-{variant}-{rnd}"
+        guest = ctx.runner().guest(tag, cfg, ctx.log(tag))
+        if ctx.shell.dry_run:
+            guest.start()
+            return [], []
+        try:
+            if backend is not None:
+                backend.start()
+            with guest:
+                rc = guest.wait_exit(params.timeout_s)
+        finally:
+            if backend is not None:
+                backend.stop()
+        if rc != 0:
+            raise guest.error(f"zeroskip: guest script failed (exit {rc})")
+        warnings = [ln.text for ln in guest.lines if "WARNING" in ln.text]
+        if warnings:
+            raise guest.error(f"zeroskip: kernel warned: {warnings[0]}")
+        measured = [r for r in guest.json_records("populate") if r["tag"] == "measure"]
+        bad = [r for r in measured if r["nonzero_bytes"]]
+        if bad:
+            raise guest.error(f"zeroskip: {bad[0]['nonzero_bytes']} non-zero bytes in a "
+                              f"{bad[0]['mode']} populate: a page called zero was not")
+        return measured, guest.json_records("vmstat")
+
+    def run(self, ctx: RunContext, params: ZeroskipParams) -> Outcome:
+        modes = params.modes if ctx.platform == "qemu" else tuple(
+            m for m in params.modes if m == "4k")  # UML: no THP, no hugetlb
+        if not modes:
+            raise LabError("zeroskip on UML runs the 4k mode only")
+        pops: dict[str, list[dict]] = {v: [] for v in params.variants}
+        stats: dict[str, list[dict]] = {v: [] for v in params.variants}
+        for rnd in range(params.rounds):
+            order = params.variants if rnd % 2 == 0 else params.variants[::-1]
+            for variant in order:
+                p, s = self._guest(ctx, params, variant, rnd, modes)
+                pops[variant] += p
+                stats[variant] += s
+        if ctx.shell.dry_run:
+            return Outcome(self.name, {}, "(dry run)")
+        data: dict[str, Any] = {"platform": ctx.platform, "params": asdict(params), "modes": {}}
+        rows = []
+        for mode in modes:
+            entry: dict[str, Any] = {}
+            cpu = {v: [r["populate_cpu_ns"] / 1e6 for r in pops[v] if r["mode"] == mode]
+                   for v in params.variants}
+            wall = {v: [r["populate_ns"] / 1e6 for r in pops[v] if r["mode"] == mode]
+                    for v in params.variants}
+            for v in params.variants:
+                counts = [r for r in stats[v] if r["mode"] == mode]
+                skipped = sum(r.get("pgzero_skipped", 0) for r in counts)
+                missed = sum(r.get("pgzero_missed", 0) for r in counts)
+                entry[v] = {"populate_cpu_ms": summarise(cpu[v]).as_dict(),
+                            "populate_wall_ms": summarise(wall[v]).as_dict(),
+                            "pgzero_skipped": skipped, "pgzero_missed": missed,
+                            "hit_rate": skipped / (skipped + missed) if skipped + missed else None,
+                            "raw_cpu_ms": cpu[v]}
+            if "on" in entry and "off" in entry:
+                entry["ratio_on_over_off"] = median_ratio(cpu["off"], cpu["on"]).as_dict()
+            if "off" in entry and "vanilla" in entry:
+                entry["ratio_off_over_vanilla"] = median_ratio(cpu["vanilla"], cpu["off"]).as_dict()
+            data["modes"][mode] = entry
+            for v in params.variants:
+                s = entry[v]["populate_cpu_ms"]
+                hit = entry[v]["hit_rate"]
+                rows.append([mode, v, f"{s['median']:.1f} [{s['p25']:.1f}-{s['p75']:.1f}]",
+                             "" if hit is None else f"{hit * 100:.0f}%", s["n"]])
+            for key, label in (("ratio_on_over_off", "on/off"),
+                               ("ratio_off_over_vanilla", "off/vanilla")):
+                if key in entry:
+                    r = entry[key]
+                    rows.append([mode, label, f"{r['ratio']:.2f}x [{r['lo']:.2f}, {r['hi']:.2f}]",
+                                 "", ""])
+        text = (f"zeroskip ({ctx.platform}, {params.populate_mib} MiB populate after reporting, "
+                "populate CPU time ms median [p25-p75], hit = zeroing skipped / zeroing "
+                "allocations)\n" + table(["mode", "variant", "cpu ms", "hit", "n"], rows))
+        ctx.save(f"zeroskip-{ctx.platform}", data)
+        return Outcome(self.name, data, text)
