@@ -32,6 +32,7 @@ test-guest:
 test-kernel: deps
 	$(FREEPAGE) series check
 	$(FREEPAGE) build --arch all --vanilla
+	$(FREEPAGE) build --arch all
 
 test-backend:
 	@if [ -f vhost-user-balloon/Cargo.toml ]; then $(MAKE) -C vhost-user-balloon test; \
