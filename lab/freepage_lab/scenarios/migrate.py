@@ -35,6 +35,7 @@ class MigrateParams:
     rounds: int = 5
     max_bandwidth_mib_s: int = 4096
     downtime_limit_ms: int = 300
+    auto_converge: bool = True
     timeout_s: int = 180
 
 
@@ -79,7 +80,7 @@ class Migrate(Scenario):
             qs, qd = Qmp(src_cfg.qmp_socket), Qmp(dst_cfg.qmp_socket)  # type: ignore[arg-type]
             try:
                 qs.execute("migrate-set-capabilities", capabilities=[
-                    {"capability": "auto-converge", "state": True}])
+                    {"capability": "auto-converge", "state": params.auto_converge}])
                 qs.execute("migrate-set-parameters",
                            **{"max-bandwidth": params.max_bandwidth_mib_s * MIB,
                               "downtime-limit": params.downtime_limit_ms})
@@ -122,11 +123,20 @@ class Migrate(Scenario):
             raise LabError("migrate needs QEMU: run it with --platform qemu")
         results: dict[str, dict[str, list[dict]]] = {
             w: {v: [] for v in VARIANTS} for w in params.workloads}
+        failures: dict[str, dict[str, list[str]]] = {
+            w: {v: [] for v in VARIANTS} for w in params.workloads}
         for rnd in range(params.rounds):
             for workload in params.workloads:
                 order = VARIANTS if rnd % 2 == 0 else VARIANTS[::-1]
                 for variant in order:
-                    rec = self.one(ctx, params, workload, variant, rnd)
+                    try:
+                        rec = self.one(ctx, params, workload, variant, rnd)
+                    except LabError as exc:
+                        # a crashed destination is a result, not a reason to stop
+                        print(f"migrate {workload}/{variant} round {rnd}: FAILED: "
+                              f"{str(exc).splitlines()[0]}", flush=True)
+                        failures[workload][variant].append(str(exc).splitlines()[0])
+                        continue
                     if rec:
                         results[workload][variant].append(rec)
         if ctx.shell.dry_run:
@@ -134,7 +144,12 @@ class Migrate(Scenario):
         data: dict = {"platform": ctx.platform, "params": asdict(params), "workloads": {}}
         rows = []
         for w in params.workloads:
-            entry: dict = {"raw": results[w]}
+            entry: dict = {"raw": results[w], "failures": failures[w]}
+            if not all(results[w][v] for v in VARIANTS):
+                for v in VARIANTS:
+                    rows.append([w, v, "", "", "", f"0 ok, {len(failures[w][v])} failed"])
+                data["workloads"][w] = entry
+                continue
             for metric in ("total_time_ms", "downtime_ms", "transferred_mib"):
                 vals = {v: [float(r[metric]) for r in results[w][v]] for v in VARIANTS}
                 entry[metric] = {v: summarise(vals[v]).as_dict() for v in VARIANTS}
@@ -145,14 +160,16 @@ class Migrate(Scenario):
                 rows.append([w, v] + [f"{entry[m][v]['median']:.0f} "
                                       f"[{entry[m][v]['p25']:.0f}-{entry[m][v]['p75']:.0f}]"
                                       for m in ("total_time_ms", "downtime_ms",
-                                                "transferred_mib")] + [entry["total_time_ms"][v]["n"]])
+                                                "transferred_mib")]
+                            + [f"{entry['total_time_ms'][v]['n']} ok, "
+                               f"{len(failures[w][v])} failed"])
             r = entry["total_time_ms"]["ratio_hint_over_no_hint"]
             t = entry["transferred_mib"]["ratio_hint_over_no_hint"]
             rows.append([w, "hint/no-hint", f"{r['ratio']:.2f}x [{r['lo']:.2f}, {r['hi']:.2f}]", "",
                          f"{t['ratio']:.2f}x [{t['lo']:.2f}, {t['hi']:.2f}]", ""])
         text = (f"migrate ({ctx.platform}, guest {params.mem_mib} MiB, {params.fill_mib} MiB "
                 "filled then freed, loopback; median [p25-p75])\n"
-                + table(["workload", "variant", "total ms", "downtime ms", "transferred MiB", "n"],
+                + table(["workload", "variant", "total ms", "downtime ms", "transferred MiB", "runs"],
                         rows))
         ctx.save("migrate", data)
         return Outcome(self.name, data, text)
