@@ -142,31 +142,26 @@ class Migrate(Scenario):
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         data: dict = {"platform": ctx.platform, "params": asdict(params), "workloads": {}}
-        rows = []
+        rows: list[list[str]] = []
+        metrics = ("total_time_ms", "downtime_ms", "transferred_mib")
         for w in params.workloads:
             entry: dict = {"raw": results[w], "failures": failures[w]}
-            if not all(results[w][v] for v in VARIANTS):
-                for v in VARIANTS:
-                    rows.append([w, v, "", "", "", f"0 ok, {len(failures[w][v])} failed"])
-                data["workloads"][w] = entry
-                continue
-            for metric in ("total_time_ms", "downtime_ms", "transferred_mib"):
-                vals = {v: [float(r[metric]) for r in results[w][v]] for v in VARIANTS}
-                entry[metric] = {v: summarise(vals[v]).as_dict() for v in VARIANTS}
-                entry[metric]["ratio_hint_over_no_hint"] = median_ratio(
-                    vals["no-hint"], vals["hint"]).as_dict()
+            vals = {m: {v: [float(r[m]) for r in results[w][v]] for v in VARIANTS} for m in metrics}
+            for m in metrics:
+                entry[m] = {v: summarise(vals[m][v]).as_dict() for v in VARIANTS if vals[m][v]}
+                if all(vals[m][v] for v in VARIANTS):
+                    entry[m]["ratio_hint_over_no_hint"] = median_ratio(
+                        vals[m]["no-hint"], vals[m]["hint"]).as_dict()
             data["workloads"][w] = entry
             for v in VARIANTS:
-                rows.append([w, v] + [f"{entry[m][v]['median']:.0f} "
-                                      f"[{entry[m][v]['p25']:.0f}-{entry[m][v]['p75']:.0f}]"
-                                      for m in ("total_time_ms", "downtime_ms",
-                                                "transferred_mib")]
-                            + [f"{entry['total_time_ms'][v]['n']} ok, "
-                               f"{len(failures[w][v])} failed"])
-            r = entry["total_time_ms"]["ratio_hint_over_no_hint"]
-            t = entry["transferred_mib"]["ratio_hint_over_no_hint"]
-            rows.append([w, "hint/no-hint", f"{r['ratio']:.2f}x [{r['lo']:.2f}, {r['hi']:.2f}]", "",
-                         f"{t['ratio']:.2f}x [{t['lo']:.2f}, {t['hi']:.2f}]", ""])
+                cells = [f"{entry[m][v]['median']:.0f} [{entry[m][v]['p25']:.0f}-"
+                         f"{entry[m][v]['p75']:.0f}]" if v in entry[m] else "-" for m in metrics]
+                rows.append([w, v, *cells, f"{len(results[w][v])} ok, "
+                                           f"{len(failures[w][v])} failed"])
+            ratios = [entry[m].get("ratio_hint_over_no_hint") for m in metrics]
+            if all(ratios):
+                rows.append([w, "hint/no-hint", *[f"{r['ratio']:.2f}x [{r['lo']:.2f}, {r['hi']:.2f}]"
+                                                   for r in ratios if r], ""])
         text = (f"migrate ({ctx.platform}, guest {params.mem_mib} MiB, {params.fill_mib} MiB "
                 "filled then freed, loopback; median [p25-p75])\n"
                 + table(["workload", "variant", "total ms", "downtime ms", "transferred MiB", "runs"],
