@@ -29,6 +29,7 @@ class GuestConfig:
     vhost_user_balloon: Path | None = None
     qmp_socket: Path | None = None
     incoming: str | None = None
+    cpu: str | None = None  # QEMU -cpu model; default max (TCG) / host (KVM)
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -139,7 +140,7 @@ class QemuRunner(Runner):
         append = " ".join(["console=ttyS0", "panic=-1", "fp.halt=reboot", "quiet",
                            "loglevel=4", *cfg.cmdline])
         argv = ["qemu-system-x86_64", "-machine", f"pc,accel={self.accel}",
-                "-cpu", "max" if self.accel == "tcg" else "host", "-smp", "1",
+                "-cpu", cfg.cpu or ("max" if self.accel == "tcg" else "host"), "-smp", "1",
                 "-m", f"{cfg.mem_mib}M", "-kernel", str(cfg.kernel), "-initrd", str(cfg.initrd),
                 "-append", append, "-display", "none", "-monitor", "none",
                 "-serial", "stdio", "-no-reboot", "-nodefaults"]

@@ -36,6 +36,7 @@ class MigrateParams:
     max_bandwidth_mib_s: int = 4096
     downtime_limit_ms: int = 300
     auto_converge: bool = True
+    cpu: str = ""  # QEMU -cpu model for both ends; "" = the runner's default
     timeout_s: int = 180
 
 
@@ -65,7 +66,8 @@ class Migrate(Scenario):
         port = free_port()
         tag = f"migrate-{workload}-{variant}-{rnd}"
         common = dict(kernel=ctx.kernel(), initrd=initrd, mem_mib=params.mem_mib,
-                      free_page_reporting=False, free_page_hint=(variant == "hint"))
+                      free_page_reporting=False, free_page_hint=(variant == "hint"),
+                      cpu=params.cpu or None)
         src_cfg = GuestConfig(**common, qmp_socket=ctx.run_dir / f"{tag}-src.qmp")  # type: ignore[arg-type]
         dst_cfg = GuestConfig(**common, qmp_socket=ctx.run_dir / f"{tag}-dst.qmp",  # type: ignore[arg-type]
                               incoming=f"tcp:127.0.0.1:{port}")
@@ -99,10 +101,17 @@ class Migrate(Scenario):
                         raise LabError(f"{tag}: migration did not complete in "
                                        f"{params.timeout_s} s (last status {status})")
                     time.sleep(0.1)
-                state = qd.execute("query-status")
-                assert isinstance(state, dict)
-                if state.get("status") != "running":
-                    raise LabError(f"{tag}: destination is {state.get('status')}, not running")
+                # the source reports completion before the destination resumes
+                deadline = time.monotonic() + 30
+                while True:
+                    state = qd.execute("query-status")
+                    assert isinstance(state, dict)
+                    if state.get("status") == "running":
+                        break
+                    if time.monotonic() > deadline:
+                        raise LabError(f"{tag}: destination is {state.get('status')}, "
+                                       "not running, 30 s after the source completed")
+                    time.sleep(0.1)
                 dst.wait_for(rf"^{EVENT} alive$", 30)
             finally:
                 qs.close()
