@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..context import RunContext
+from ..initramfs import BOOTED
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import median_ratio, summarise
@@ -105,7 +106,9 @@ class Zeroskip(Scenario):
                 backend.stop()
         if rc != 0:
             raise guest.error(f"zeroskip: guest script failed (exit {rc})")
-        warnings = [ln.text for ln in guest.lines if "WARNING" in ln.text]
+        # KUnit suites run (and may warn on purpose) before init: look after boot
+        booted = next((i for i, ln in enumerate(guest.lines) if ln.text.startswith(BOOTED)), 0)
+        warnings = [ln.text for ln in guest.lines[booted:] if "WARNING" in ln.text]
         if warnings:
             raise guest.error(f"zeroskip: kernel warned: {warnings[0]}")
         measured = [r for r in guest.json_records("populate") if r["tag"] == "measure"]
