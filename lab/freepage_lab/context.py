@@ -39,11 +39,12 @@ class RunContext:
     def runner(self, platform: str | None = None) -> Runner:
         return make_runner(platform or self.platform, self.shell, self.accel)
 
-    def kernel(self, platform: str | None = None, patched: bool | None = None) -> Path:
+    def kernel(self, platform: str | None = None, patched: bool | None = None,
+               extra_patches: tuple[str, ...] = ()) -> Path:
         arch = "um" if (platform or self.platform) == "uml" else "x86_64"
         want_patched = self.patched if patched is None else patched
         spec = kernel.BuildSpec(arch, self.variant, want_patched,
-                                self.extra_fragments if want_patched else ())
+                                self.extra_fragments if want_patched else (), extra_patches)
         if spec.label not in self._kernels:
             self._kernels[spec.label] = kernel.build(self.shell, spec)
         return self._kernels[spec.label].image

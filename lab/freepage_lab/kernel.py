@@ -204,6 +204,8 @@ class BuildSpec:
     variant: str = "release"
     patched: bool = True
     extra_fragments: tuple[str, ...] = ()
+    # test-only patches from kernel/bench/, applied after the series
+    extra_patches: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHES:
@@ -229,7 +231,7 @@ class BuildSpec:
 
     @property
     def label(self) -> str:
-        extra = "".join("+" + Path(f).stem for f in self.extra_fragments)
+        extra = "".join("+" + Path(f).stem for f in (*self.extra_fragments, *self.extra_patches))
         return f"{self.arch}-{self.variant}-{'patched' if self.patched else 'vanilla'}{extra}"
 
 
@@ -310,6 +312,12 @@ def build(shell: Shell, spec: BuildSpec, series: Series | None = None) -> BuiltK
     series = series if series is not None else (Series.load() if spec.patched else Series.empty())
     if not spec.patched:
         series = Series.empty()
+    if spec.extra_patches:
+        for name in spec.extra_patches:
+            if not (paths.KERNEL_DIR / "bench" / name).is_file():
+                raise LabError(f"test-only patch kernel/bench/{name} does not exist")
+        series = Series(series.directory,
+                        series.names + tuple(f"../bench/{n}" for n in spec.extra_patches))
     version = base_version(shell)
     key = build_key(spec, version, series)
     out = paths.cache_dir() / "build" / f"{spec.label}-{key}"
