@@ -509,6 +509,30 @@ pub struct Hooks {
     pub on_backend_channel: Box<dyn Fn(Arc<BackendChannel>) + Send>,
 }
 
+/// A received message: its header, the whole message bytes, the fds it carried.
+type Message = (Header, Vec<u8>, Vec<OwnedFd>);
+
+/// One whole vhost-user message, or None when the peer closed the
+/// connection between messages.
+fn recv_message(sock: &UnixStream) -> Result<Option<Message>, ShimError> {
+    let mut fds = Vec::new();
+    let mut h = [0u8; HDR_SIZE];
+    if !recv_exact(sock, &mut h, &mut fds)? {
+        return Ok(None);
+    }
+    let hdr = Header::parse(&h);
+    let size = usize::try_from(hdr.size).unwrap_or(usize::MAX);
+    if size > MAX_PAYLOAD {
+        return Err(ShimError::TooLarge(hdr.size));
+    }
+    let mut msg = h.to_vec();
+    msg.resize(HDR_SIZE + size, 0);
+    if size > 0 && !recv_exact(sock, &mut msg[HDR_SIZE..], &mut fds)? {
+        return Err(ShimError::Io(io::ErrorKind::UnexpectedEof.into()));
+    }
+    Ok(Some((hdr, msg, fds)))
+}
+
 /// Relays frontend -> library, message by message.
 fn frontend_to_backend(
     front: &UnixStream,
@@ -518,21 +542,10 @@ fn frontend_to_backend(
 ) -> Result<(), ShimError> {
     let mut rings = RingTracker::default();
     loop {
-        let mut fds = Vec::new();
-        let mut h = [0u8; HDR_SIZE];
-        if !recv_exact(front, &mut h, &mut fds)? {
+        let Some((hdr, mut msg, mut fds)) = recv_message(front)? else {
             return Ok(());
-        }
-        let hdr = Header::parse(&h);
-        let size = usize::try_from(hdr.size).unwrap_or(usize::MAX);
-        if size > MAX_PAYLOAD {
-            return Err(ShimError::TooLarge(hdr.size));
-        }
-        let mut msg = h.to_vec();
-        msg.resize(HDR_SIZE + size, 0);
-        if size > 0 && !recv_exact(front, &mut msg[HDR_SIZE..], &mut fds)? {
-            return Err(ShimError::Io(io::ErrorKind::UnexpectedEof.into()));
-        }
+        };
+        let size = msg.len() - HDR_SIZE;
         debug!(
             "frontend request {} flags {:#x} size {} fds {} payload {:02x?}",
             hdr.request,
@@ -596,21 +609,9 @@ fn backend_to_frontend(
     replies: &ReplyQueue,
 ) -> Result<(), ShimError> {
     loop {
-        let mut fds = Vec::new();
-        let mut h = [0u8; HDR_SIZE];
-        if !recv_exact(back, &mut h, &mut fds)? {
+        let Some((hdr, msg, fds)) = recv_message(back)? else {
             return Ok(());
-        }
-        let hdr = Header::parse(&h);
-        let size = usize::try_from(hdr.size).unwrap_or(usize::MAX);
-        if size > MAX_PAYLOAD {
-            return Err(ShimError::TooLarge(hdr.size));
-        }
-        let mut msg = h.to_vec();
-        msg.resize(HDR_SIZE + size, 0);
-        if size > 0 && !recv_exact(back, &mut msg[HDR_SIZE..], &mut fds)? {
-            return Err(ShimError::Io(io::ErrorKind::UnexpectedEof.into()));
-        }
+        };
         if hdr.request == REQ_GET_VRING_BASE && hdr.flags & FLAG_REPLY != 0 {
             let ours = replies
                 .lock()
