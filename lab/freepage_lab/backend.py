@@ -59,6 +59,13 @@ class BalloonBackend:
                 raise LabError(f"vhost-user-balloon did not create {self.socket} within 10 s")
             time.sleep(0.05)
 
+    def __enter__(self) -> BalloonBackend:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def request(self, cmd: dict) -> dict:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(5)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import initramfs, kernel, paths
-from .runners import Runner, make_runner
+from .runners import GuestConfig, Runner, make_runner
 from .shell import Shell
 
 
@@ -56,6 +57,21 @@ class RunContext:
         if self.shell.dry_run:
             return dest
         return initramfs.with_script(self._base_initrd, script, dest)
+
+    def balloon_host(self, cfg: GuestConfig, name: str,
+                     extra: tuple[str, ...] = ()) -> AbstractContextManager[object]:
+        """The balloon's host side: vhost-user-balloon for UML; QEMU brings its own.
+
+        Sets the guest's vhost-user socket; enter it around the guest's life.
+        """
+        if self.platform != "uml":
+            return nullcontext()
+        from .backend import BalloonBackend
+
+        backend = BalloonBackend(self.shell, self.run_dir / f"{name}.sock",
+                                 self.log(f"{name}-backend"), list(extra))
+        cfg.vhost_user_balloon = backend.socket
+        return backend
 
     def log(self, name: str) -> Path:
         return self.run_dir / "logs" / f"{name}.log"

@@ -61,30 +61,20 @@ class ReclaimScenario(Scenario):
         runner = ctx.runner()
         cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("reclaim", guest_script(params)),
                           mem_mib=params.mem_mib)
-        backend = None
-        if ctx.platform == "uml":
-            from ..backend import BalloonBackend  # the host side for UML guests
-            backend = BalloonBackend(ctx.shell, ctx.run_dir / "balloon.sock", ctx.log("backend"))
-            cfg.vhost_user_balloon = backend.socket
+        host = ctx.balloon_host(cfg, "balloon")
         guest = runner.guest("reclaim", cfg, ctx.log("reclaim"))
         if ctx.shell.dry_run:
             guest.start()
             return Outcome(self.name, {}, "(dry run)")
-        try:
-            if backend is not None:
-                backend.start()
-            with guest, Sampler(lambda: runner.footprint_bytes(guest)) as sampler:
-                freed = []
-                idx = 0
-                for i in range(len(rounds_of(params))):
-                    idx, line, _ = guest.wait_for(rf"^{EVENT} freed {i}$", params.timeout_s, idx)
-                    freed.append(line.t)
-                rc = guest.wait_exit(params.timeout_s)
-            if rc != 0:
-                raise guest.error(f"reclaim: guest script failed (exit {rc})")
-        finally:
-            if backend is not None:
-                backend.stop()
+        with host, guest, Sampler(lambda: runner.footprint_bytes(guest)) as sampler:
+            freed = []
+            idx = 0
+            for i in range(len(rounds_of(params))):
+                idx, line, _ = guest.wait_for(rf"^{EVENT} freed {i}$", params.timeout_s, idx)
+                freed.append(line.t)
+            rc = guest.wait_exit(params.timeout_s)
+        if rc != 0:
+            raise guest.error(f"reclaim: guest script failed (exit {rc})")
         samples = sampler.samples
         freed_bytes = params.populate_mib * MIB
         bounds = [0.0, *freed[1:], float("inf")]

@@ -86,29 +86,17 @@ class Zeroskip(Scenario):
                           initrd=ctx.initrd(f"zeroskip-{ctx.platform}",
                                             guest_script(params, modes)),
                           mem_mib=params.mem_mib)
-        backend = None
-        if ctx.platform == "qemu":
-            if variant == "on":
-                cfg.cmdline.append("virtio_balloon.assume_reported_zero=1")
-        else:
-            from ..backend import BalloonBackend
-            extra = ["--no-zero-bits"] if variant != "on" else []
-            backend = BalloonBackend(ctx.shell, ctx.run_dir / f"zs-{variant}-{rnd}.sock",
-                                     ctx.log(f"backend-{variant}-{rnd}"), extra)
-            cfg.vhost_user_balloon = backend.socket
+        if ctx.platform == "qemu" and variant == "on":
+            cfg.cmdline.append("virtio_balloon.assume_reported_zero=1")
         tag = f"zeroskip-{ctx.platform}-{variant}-{rnd}"
+        # UML: the daemon offers bit 6 only for "on"
+        host = ctx.balloon_host(cfg, tag, () if variant == "on" else ("--no-zero-bits",))
         guest = ctx.runner().guest(tag, cfg, ctx.log(tag))
         if ctx.shell.dry_run:
             guest.start()
             return [], []
-        try:
-            if backend is not None:
-                backend.start()
-            with guest:
-                rc = guest.wait_exit(params.timeout_s)
-        finally:
-            if backend is not None:
-                backend.stop()
+        with host, guest:
+            rc = guest.wait_exit(params.timeout_s)
         if rc != 0:
             raise guest.error(f"zeroskip: guest script failed (exit {rc})")
         # KUnit suites run (and may warn on purpose) before init: look after boot
