@@ -7,7 +7,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +42,8 @@ class Shell:
         line = shlex.join(str(a) for a in argv)
         if cwd is not None:
             line = f"(cd {shlex.quote(str(cwd))} && {line})"
-        print(f"$ {line}", file=sys.stderr, flush=True)
+        if not self.quiet:
+            print(f"$ {line}", file=sys.stderr, flush=True)
         return line
 
     def run(
@@ -107,8 +108,8 @@ def tail_file(path: Path, n: int) -> str:
     return "\n".join(lines[-n:])
 
 
-def timed(name: str):
-    """Decorator-free helper: returns a start time and a finisher making StageResult."""
+def timed(name: str) -> Callable[..., StageResult]:
+    """Start a stage's clock; the returned finisher makes its StageResult."""
     start = time.monotonic()
 
     def finish(status: str, detail: str = "", **data: object) -> StageResult:
