@@ -71,6 +71,11 @@ def get(name: str) -> Scenario:
     return scenarios[name]
 
 
+def abba(variants: Sequence[str], rnd: int) -> Sequence[str]:
+    """Variant order of round `rnd`: A B, then B A, ... so drift hits both alike."""
+    return variants if rnd % 2 == 0 else variants[::-1]
+
+
 def table(headers: list[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [[str(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]

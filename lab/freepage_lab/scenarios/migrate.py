@@ -19,7 +19,7 @@ from ..initramfs import EVENT
 from ..runners import GuestConfig, Qmp
 from ..shell import LabError
 from ..stats import median_ratio, summarise
-from . import Outcome, Scenario, table
+from . import Outcome, Scenario, abba, table
 
 VARIANTS = ("no-hint", "hint")
 MIB = 1 << 20
@@ -136,8 +136,7 @@ class Migrate(Scenario):
             w: {v: [] for v in VARIANTS} for w in params.workloads}
         for rnd in range(params.rounds):
             for workload in params.workloads:
-                order = VARIANTS if rnd % 2 == 0 else VARIANTS[::-1]
-                for variant in order:
+                for variant in abba(VARIANTS, rnd):
                     try:
                         rec = self.one(ctx, params, workload, variant, rnd)
                     except LabError as exc:

@@ -19,7 +19,7 @@ from ..plot import bar_plot
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import median_ratio, summarise
-from . import Outcome, Scenario, table
+from . import Outcome, Scenario, abba, table
 
 VARIANTS = ("backed", "reported")
 
@@ -65,8 +65,7 @@ class Realloc(Scenario):
         samples: dict[str, dict[str, list[dict]]] = {v: {m: [] for m in params.modes}
                                                      for v in VARIANTS}
         for rnd in range(params.rounds):
-            order = VARIANTS if rnd % 2 == 0 else VARIANTS[::-1]
-            for variant in order:
+            for variant in abba(VARIANTS, rnd):
                 cfg = GuestConfig(kernel=ctx.kernel(), initrd=initrd, mem_mib=params.mem_mib,
                                   free_page_reporting=(variant == "reported"))
                 guest = runner.guest(f"realloc-{variant}-{rnd}", cfg,

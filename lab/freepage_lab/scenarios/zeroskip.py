@@ -25,7 +25,7 @@ from ..initramfs import BOOTED
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import median_ratio, summarise
-from . import Outcome, Scenario, table
+from . import Outcome, Scenario, abba, table
 
 FLUSH = "/sys/module/page_reporting/parameters/flush"
 # test-only: a kernel that never zeroes anonymous/THP/hugetlb user pages (unsafe)
@@ -123,8 +123,7 @@ class Zeroskip(Scenario):
         pops: dict[str, list[dict]] = {v: [] for v in params.variants}
         stats: dict[str, list[dict]] = {v: [] for v in params.variants}
         for rnd in range(params.rounds):
-            order = params.variants if rnd % 2 == 0 else params.variants[::-1]
-            for variant in order:
+            for variant in abba(params.variants, rnd):
                 p, s = self._guest(ctx, params, variant, rnd, modes)
                 pops[variant] += p
                 stats[variant] += s
