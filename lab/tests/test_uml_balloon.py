@@ -78,6 +78,12 @@ def wait_until(what: str, cond, timeout: float, interval: float = 0.1):
         time.sleep(interval)
 
 
+def wait_discarded(what: str, backend, before: dict, freed_bytes: int) -> None:
+    """The daemon discarded >= 90% of what the guest freed since `before`."""
+    wait_until(what, lambda: counters(backend)["counters"]["discarded_bytes"]
+               - before["discarded_bytes"] >= 0.9 * freed_bytes, 10, 0.2)
+
+
 def next_meminfo(g: Guest, timeout: float = 10) -> tuple[int, int]:
     """(MemTotal, MemFree) in bytes from the first MEM line printed from now on."""
     _, _, m = g.wait_for(r"^MEM (\d+) (\d+)$", timeout, start_index=len(g.lines))
@@ -216,9 +222,7 @@ sleep 8
         g2 = guest(ctx, backend, "second", second)
         with g2:
             g2.wait_for(rf"^{EVENT} freed$", 60)
-            wait_until("reports from the second guest",
-                       lambda: counters(backend)["counters"]["discarded_bytes"]
-                       - before["discarded_bytes"] >= 0.9 * 128 * MIB, 10, 0.2)
+            wait_discarded("reports from the second guest", backend, before, 128 * MIB)
             assert g2.wait_exit(60) == 0
         state = wait_until("disconnect", lambda: (s := counters(backend))["connected"] is False
                            and s, 10)
@@ -251,9 +255,7 @@ sleep 8
             g.wait_for(rf"^{EVENT} rebound$", 60)
             before = counters(backend)["counters"]
             g.wait_for(rf"^{EVENT} freed$", 60)
-            wait_until("reports after the rebind",
-                       lambda: counters(backend)["counters"]["discarded_bytes"]
-                       - before["discarded_bytes"] >= 0.9 * 128 * MIB, 10, 0.2)
+            wait_discarded("reports after the rebind", backend, before, 128 * MIB)
             # power-off removes the device; it must not hang on the reporting vq
             assert g.wait_exit(60) == 0
     text = "\n".join(ln.text for ln in g.lines)
