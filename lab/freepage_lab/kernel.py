@@ -150,20 +150,51 @@ def materialise(shell: Shell, series: Series, dest: Path) -> None:
         shell.run([*git, "am", "-q", *series.files], what="git am series")
 
 
+COVER = "0000-cover-letter.patch"
+
+
+def cover_text(cover: str) -> tuple[str, str] | None:
+    """The subject (without the [PATCH n/m] tag) and the text of a cover letter."""
+    subject = re.search(r"^Subject: \[PATCH[^\]]*\] (.*)$", cover, re.M)
+    body = re.search(r"\n\n(.*?)\n\S[^\n]* \(\d+\):\n", cover, re.S)
+    if not subject or not body:
+        return None
+    return subject.group(1), body.group(1).rstrip("\n")
+
+
+def carry_cover(old: str, new: str) -> str:
+    """The fresh cover letter `new` with the subject and text of `old`.
+
+    git format-patch writes placeholders; the cover letter's words (and
+    numbers) live only in the patch queue, so they are carried over.
+    """
+    kept = cover_text(old)
+    if kept is None or "*** SUBJECT HERE ***" not in new:
+        return new
+    subject, body = kept
+    new = new.replace("*** SUBJECT HERE ***", subject, 1)
+    return new.replace("*** BLURB HERE ***", body, 1)
+
+
 def export(shell: Shell, tree: Path, directory: Path = paths.PATCH_DIR) -> list[str]:
     """Write the tree's commits since freepage-base back as the patch queue."""
+    # ask git first: a tree without the base tag must not cost the queue
+    count = shell.run(["git", "-C", tree, "rev-list", "--count", "freepage-base..HEAD"],
+                      capture=True, what="count commits (is freepage-base tagged?)").strip()
+    old_cover = directory / COVER
+    kept = old_cover.read_text() if old_cover.is_file() else ""
     if not shell.dry_run:
         directory.mkdir(parents=True, exist_ok=True)
         for old in directory.glob("*.patch"):
             old.unlink()
-    count = shell.run(["git", "-C", tree, "rev-list", "--count", "freepage-base..HEAD"],
-                      capture=True, what="count commits").strip()
     if count == "0":
         names: list[str] = []
     else:
         shell.run(["git", "-C", tree, "format-patch", "-q", "--cover-letter", "-o", directory,
                    "freepage-base..HEAD"], what="git format-patch")
         names = sorted(p.name for p in directory.glob("*.patch") if not p.name.startswith("0000-"))
+        if kept and not shell.dry_run:
+            (directory / COVER).write_text(carry_cover(kept, (directory / COVER).read_text()))
     if not shell.dry_run:
         (directory / "series").write_text("".join(n + "\n" for n in names))
     return names
