@@ -35,6 +35,16 @@ def summarise(xs: list[float]) -> Summary:
                    min(xs), max(xs))
 
 
+def fmt_ratio(r: dict | Ratio) -> str:
+    """"0.29x [0.24, 0.33]"; ratios below 0.1 keep two significant digits."""
+    ratio, lo, hi = (r["ratio"], r["lo"], r["hi"]) if isinstance(r, dict) else (r.ratio, r.lo, r.hi)
+
+    def num(x: float) -> str:
+        return f"{x:.2f}" if abs(x) >= 0.1 or x == 0 else f"{x:.2g}"
+
+    return f"{num(ratio)}x [{num(lo)}, {num(hi)}]"
+
+
 @dataclass
 class Ratio:
     """median(b) / median(a) with a bootstrap 95% interval."""
@@ -47,7 +57,7 @@ class Ratio:
         return asdict(self)
 
     def __str__(self) -> str:
-        return f"{self.ratio:.2f}x [{self.lo:.2f}, {self.hi:.2f}]"
+        return fmt_ratio(self)
 
 
 def median_ratio(a: list[float], b: list[float], iterations: int = 2000, seed: int = 1) -> Ratio:

@@ -19,3 +19,8 @@ def test_median_ratio_interval_contains_point():
 def test_median_ratio_needs_samples():
     with pytest.raises(ValueError):
         stats.median_ratio([], [1.0])
+
+
+def test_small_ratios_keep_two_significant_digits() -> None:
+    assert stats.fmt_ratio({"ratio": 0.0031, "lo": 0.0022, "hi": 0.0041}) == "0.0031x [0.0022, 0.0041]"
+    assert str(stats.Ratio(0.29, 0.24, 1.0)) == "0.29x [0.24, 1.00]"

@@ -18,7 +18,7 @@ from ..context import RunContext
 from ..initramfs import EVENT
 from ..runners import GuestConfig, Qmp
 from ..shell import LabError
-from ..stats import median_ratio, summarise
+from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, abba, table
 
 VARIANTS = ("no-hint", "hint")
@@ -168,7 +168,7 @@ class Migrate(Scenario):
                                            f"{len(failures[w][v])} failed"])
             ratios = [entry[m].get("ratio_hint_over_no_hint") for m in metrics]
             if all(ratios):
-                rows.append([w, "hint/no-hint", *[f"{r['ratio']:.2f}x [{r['lo']:.2f}, {r['hi']:.2f}]"
+                rows.append([w, "hint/no-hint", *[fmt_ratio(r)
                                                    for r in ratios if r], ""])
         text = (f"migrate ({ctx.platform}, guest {params.mem_mib} MiB, {params.fill_mib} MiB "
                 "filled then freed, loopback; median [p25-p75])\n"

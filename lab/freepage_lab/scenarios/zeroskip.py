@@ -24,7 +24,7 @@ from ..context import RunContext
 from ..initramfs import BOOTED
 from ..runners import GuestConfig
 from ..shell import LabError
-from ..stats import median_ratio, summarise
+from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, abba, table
 
 FLUSH = "/sys/module/page_reporting/parameters/flush"
@@ -179,7 +179,7 @@ class Zeroskip(Scenario):
                                ("ratio_off_over_vanilla", "off/vanilla")):
                 if key in entry:
                     r = entry[key]
-                    rows.append([mode, label, f"{r['ratio']:.2f}x [{r['lo']:.2f}, {r['hi']:.2f}]",
+                    rows.append([mode, label, fmt_ratio(r),
                                  "", "", ""])
         text = (f"zeroskip ({ctx.platform}, {params.populate_mib} MiB populate after reporting, "
                 "populate CPU time ms median [p25-p75], hit = zeroing skipped / zeroing "
