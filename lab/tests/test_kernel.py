@@ -74,3 +74,14 @@ def test_export_carries_the_cover_letter_text() -> None:
     assert "***" not in out
     # nothing to carry: the fresh letter stays as git wrote it
     assert kernel.carry_cover("garbage", new) == new
+
+
+def test_stock_kernel_with_test_only_patches_is_keyed_by_them(tmp_path):
+    vanilla = kernel.BuildSpec("um", patched=False)
+    plain = kernel.build_key(vanilla, "6.12.1", kernel.Series.empty())
+    (tmp_path / "bench.patch").write_text("one")
+    extra = kernel.Series(tmp_path, ("bench.patch",))
+    with_bench = kernel.build_key(vanilla, "6.12.1", extra)
+    assert with_bench != plain
+    (tmp_path / "bench.patch").write_text("two")
+    assert kernel.build_key(vanilla, "6.12.1", extra) != with_bench

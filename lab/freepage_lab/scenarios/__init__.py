@@ -59,9 +59,10 @@ def registry() -> dict[str, Scenario]:
     from .migrate import Migrate
     from .realloc import Realloc
     from .reclaim import ReclaimScenario
+    from .zerobench import Zerobench
     from .zeroskip import Zeroskip
 
-    return {s.name: s for s in (ReclaimScenario(), Realloc(), Migrate(), Zeroskip())}
+    return {s.name: s for s in (ReclaimScenario(), Realloc(), Migrate(), Zeroskip(), Zerobench())}
 
 
 def get(name: str) -> Scenario:
