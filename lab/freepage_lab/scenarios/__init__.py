@@ -60,9 +60,11 @@ def registry() -> dict[str, Scenario]:
     from .realloc import Realloc
     from .reclaim import ReclaimScenario
     from .zerobench import Zerobench
+    from .zeromix import Zeromix
     from .zeroskip import Zeroskip
 
-    return {s.name: s for s in (ReclaimScenario(), Realloc(), Migrate(), Zeroskip(), Zerobench())}
+    return {s.name: s for s in (ReclaimScenario(), Realloc(), Migrate(), Zeroskip(), Zeromix(),
+                                Zerobench())}
 
 
 def get(name: str) -> Scenario:
