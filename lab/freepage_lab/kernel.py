@@ -106,30 +106,47 @@ class Series:
         return h.hexdigest()
 
 
+def tree_path(shell: Shell, series: Series) -> Path:
+    """Where applied_tree() puts the source of (base version, series)."""
+    h = hashlib.sha256(base_version(shell).encode() + b"\0")
+    h.update((series.digest() if series.names else "vanilla").encode())
+    return paths.cache_dir() / "src" / h.hexdigest()[:16]
+
+
 def applied_tree(shell: Shell, series: Series) -> Path:
-    """A source tree with the series applied, cached by the series hash.
+    """A source tree with the series applied (none: stock), cached by its hash.
 
     Hard-linked to the base (GNU patch replaces files it changes, so the
-    base stays pristine), hence cheap in time and disk.
+    base stays pristine), hence cheap in time and disk. Kernels are built
+    in direct subdirectories of it, so that kbuild names every source file
+    relative to the build directory ("../mm/page_alloc.c"): compiler
+    command lines do not depend on where the tree is, and ccache serves a
+    rebuild after a series edit from the files the edit did not change.
     """
     base = base_tree(shell)
-    if not series.names:
-        return base
-    tree = paths.cache_dir() / "src" / series.digest()[:16]
+    tree = tree_path(shell, series)
     if (tree / ".freepage-applied").exists():
         return tree
-    if tree.exists() and not shell.dry_run:
-        shutil.rmtree(tree)
+    if shell.dry_run:
+        _apply(shell, base, tree, series)  # prints the commands
+        return tree
     tree.parent.mkdir(parents=True, exist_ok=True)
-    shell.run(["cp", "-al", base, tree], what="link base tree")
-    for patch in series.files:
-        shell.run(
-            ["patch", "-p1", "-N", "-s", "--no-backup-if-mismatch", "-d", tree, "-i", patch],
-            what=f"apply {patch.name}",
-        )
-    if not shell.dry_run:
+    with open(tree.parent / f"{tree.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (tree / ".freepage-applied").exists():
+            return tree
+        if tree.exists():
+            shutil.rmtree(tree)
+        _apply(shell, base, tree, series)
         (tree / ".freepage-applied").write_text("\n".join(series.names) + "\n")
     return tree
+
+
+def _apply(shell: Shell, base: Path, tree: Path, series: Series) -> None:
+    shell.run(["cp", "-al", base, tree], what="link base tree")
+    for patch in series.files:
+        shell.run(["patch", "-p1", "-N", "-s", "--no-backup-if-mismatch", "-d", tree, "-i", patch],
+                  what=f"apply {patch.name}")
 
 
 def materialise(shell: Shell, series: Series, dest: Path) -> None:
@@ -352,12 +369,14 @@ def build(shell: Shell, spec: BuildSpec, series: Series | None = None) -> BuiltK
                         series.names + tuple(f"../bench/{n}" for n in spec.extra_patches))
     version = base_version(shell)
     key = build_key(spec, version, series)
-    out = paths.cache_dir() / "build" / f"{spec.label}-{key}"
+    # a direct child of its source tree: see applied_tree()
+    out = tree_path(shell, series) / f"{spec.label}-{key}"
     image = image_path(out, spec.arch)
     if shell.dry_run:
         return _build_locked(shell, spec, series, out, image, key)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f"{out.name}.lock", "w") as lock:
+    locks = paths.cache_dir() / "build"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{out.name}.lock", "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -372,6 +391,7 @@ def _build_locked(shell: Shell, spec: BuildSpec, series: Series, out: Path, imag
         print(f"build {spec.label}: cached ({out})", flush=True)
         return BuiltKernel(spec, out, image, key)
     src = applied_tree(shell, series)
+    assert out.parent == src, (out, src)
     if out.exists() and not shell.dry_run:
         shutil.rmtree(out)
     if not shell.dry_run:
