@@ -146,6 +146,20 @@ def test_dry_run_boots_bench_kernels_and_runs_nothing(capsys, tmp_path, monkeypa
     assert not (tmp_path / "runs").exists()
 
 
-def test_qemu_is_refused(capsys):
-    assert cli.main(["--dry-run", "run", "zerobench", "--platform", "qemu"]) == 1
-    assert "UML only" in capsys.readouterr().err
+def test_qemu_dry_run_counts_instructions(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+    assert cli.main(["--dry-run", "run", "zerobench", "--platform", "qemu", "--accel", "tcg",
+                     "--fragment", "bench.config", "--param", "rounds=1"]) == 0
+    err = capsys.readouterr().err
+    assert "x86_64-release-vanilla+page-zeroed-bench" in err
+    qemus = [ln for ln in err.splitlines() if ln.startswith("$ qemu-system-x86_64")]
+    assert len(qemus) == 3 and all("-icount shift=0,sleep=off" in q for q in qemus)
+    # only "on" tells the driver that reported pages read as zero
+    assert sum("virtio_balloon.assume_reported_zero=1" in q for q in qemus) == 1
+
+
+def test_icount_needs_tcg_and_other_platforms_are_refused(capsys):
+    assert cli.main(["--dry-run", "run", "zerobench", "--platform", "qemu",
+                     "--accel", "kvm"]) == 1
+    err = capsys.readouterr().err
+    assert "kvm" in err

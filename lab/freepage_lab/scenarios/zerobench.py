@@ -1,4 +1,4 @@
-"""zerobench: the allocator's own cost, measured inside the kernel (UML only).
+"""zerobench: the allocator's own cost, measured inside the kernel (UML, QEMU).
 
 A test-only kernel patch (kernel/bench/page-zeroed-bench.patch, applied to
 every kernel of this scenario) adds /sys/module/page_zeroed_bench/parameters/run:
@@ -13,10 +13,20 @@ every kernel of this scenario) adds /sys/module/page_zeroed_bench/parameters/run
 
 Variants, alternating ABBA across boots in one run:
   vanilla  stock kernel + the bench patch (the overhead reference)
-  off      patched kernel + bench patch, vhost-user-balloon started with
-           --no-zero-bits: reported pages are not known zero
-  on       patched kernel + bench patch, the daemon offers bit 6: reported
-           pages are known zero and __GFP_ZERO skips clearing them
+  off      patched kernel + bench patch, reported pages are not known zero
+           (UML: vhost-user-balloon started with --no-zero-bits; QEMU: no
+           override)
+  on       patched kernel + bench patch, reported pages are known zero and
+           __GFP_ZERO skips clearing them (UML: the daemon offers bit 6;
+           QEMU: virtio_balloon.assume_reported_zero=1)
+
+Platforms: UML runs at native speed, but has no jump labels (every static
+key test is a load and a branch) and its timings move with the host. QEMU
+TCG runs a real x86_64 kernel with jump labels; by default it runs with
+-icount shift=0,sleep=off, where guest time advances exactly 1 ns per
+executed instruction: ns per operation are then guest instructions per
+operation, deterministic up to interrupts (valgrind-like counts of the
+real kernel; caches and branch prediction do not show).
 
 Per boot: small per-cpu lists (percpu_pagelist_high_fraction=1000), then
 per order and repetition: dirty `bench_mib` with populate, free it, report
@@ -82,6 +92,8 @@ class ZerobenchParams:
     fastpath_repeat: int = 5
     settle_s: int = 1
     pcp_high_fraction: int = 1000
+    # QEMU TCG: count instructions (-icount shift=0,sleep=off)
+    icount: bool = True
     timeout_s: int = 900
 
 
@@ -183,6 +195,24 @@ def ratios(samples: dict[str, list[float]], pairs: tuple[tuple[str, str, str], .
             for key, a, b in pairs if samples.get(a) and samples.get(b)}
 
 
+def icount_args(ctx: RunContext, params: ZerobenchParams) -> list[str]:
+    """QEMU arguments that make guest time count instructions (TCG only)."""
+    if not params.icount:
+        return []
+    accel = getattr(ctx.runner(), "accel", None)
+    if accel != "tcg":
+        raise LabError(f"zerobench: -icount needs QEMU TCG, not {accel}: add --accel tcg "
+                       "or --param icount=false")
+    return ["-icount", "shift=0,sleep=off"]
+
+
+def time_unit(ctx: RunContext, params: ZerobenchParams) -> str:
+    """What a guest "ns" is on this platform."""
+    if ctx.platform == "qemu" and params.icount:
+        return "instructions"
+    return "ns"
+
+
 def spread(s: dict) -> str:
     return f"{s['median']:.0f} [{s['p25']:.0f}-{s['p75']:.0f}]"
 
@@ -199,10 +229,15 @@ class Zerobench(Scenario):
                orders: tuple[int, ...]) -> tuple[list[dict], list[dict]]:
         cfg = GuestConfig(kernel=ctx.kernel(patched=variant != "vanilla",
                                             extra_patches=(BENCH_PATCH,)),
-                          initrd=ctx.initrd("zerobench-uml", guest_script(params, orders)),
+                          initrd=ctx.initrd(f"zerobench-{ctx.platform}",
+                                            guest_script(params, orders)),
                           mem_mib=params.mem_mib)
-        tag = f"zerobench-uml-{variant}-{rnd}"
-        # the daemon offers bit 6 (reported pages read as zero) only for "on"
+        tag = f"zerobench-{ctx.platform}-{variant}-{rnd}"
+        if ctx.platform == "qemu":
+            cfg.extra_args += icount_args(ctx, params)
+            if variant == "on":
+                cfg.cmdline.append("virtio_balloon.assume_reported_zero=1")
+        # UML: the daemon offers bit 6 (reported pages read as zero) only for "on"
         host = ctx.balloon_host(cfg, tag, () if variant == "on" else ("--no-zero-bits",))
         guest = ctx.runner().guest(tag, cfg, ctx.log(tag))
         if ctx.shell.dry_run:
@@ -228,10 +263,10 @@ class Zerobench(Scenario):
         return records, guest.json_records("vmstat")
 
     def run(self, ctx: RunContext, params: ZerobenchParams) -> Outcome:
-        if ctx.platform != "uml":
-            raise LabError("zerobench runs on UML only (its off/on variants are "
-                           "vhost-user-balloon with and without bit 6): use --platform uml")
+        if ctx.platform not in ("uml", "qemu"):
+            raise LabError(f"zerobench runs on UML or QEMU, not {ctx.platform}")
         orders = check_params(params)
+        unit = time_unit(ctx, params)
         if "bench.config" not in ctx.extra_fragments:
             print("zerobench: no --fragment bench.config: the patched kernels verify every "
                   "known-zero page, so on/off numbers are not representative", flush=True)
@@ -246,8 +281,9 @@ class Zerobench(Scenario):
             return Outcome(self.name, {}, "(dry run)")
         data = summarise_run(params, orders, records, vmstat)
         data["platform"] = ctx.platform
-        ctx.save("zerobench-uml", data)
-        return Outcome(self.name, data, render(params, orders, data))
+        data["time_unit"] = unit
+        ctx.save(f"zerobench-{ctx.platform}", data)
+        return Outcome(self.name, data, render(params, orders, data, ctx.platform, unit))
 
 
 def summarise_run(params: ZerobenchParams, orders: tuple[int, ...],
@@ -286,7 +322,8 @@ def summarise_run(params: ZerobenchParams, orders: tuple[int, ...],
     return data
 
 
-def render(params: ZerobenchParams, orders: tuple[int, ...], data: dict[str, Any]) -> str:
+def render(params: ZerobenchParams, orders: tuple[int, ...], data: dict[str, Any],
+           platform: str = "uml", unit: str = "ns") -> str:
     zero_rows: list[list[object]] = []
     for order in orders:
         entry = data["zero"][str(order)]
@@ -312,11 +349,15 @@ def render(params: ZerobenchParams, orders: tuple[int, ...], data: dict[str, Any
                 b = entry.get(f"{key}_best_chunk")
                 fast_rows.append([test, label, ratio_cell(entry[key]),
                                   ratio_cell(b) if b else "", ""])
-    return (f"zerobench zero (uml, {params.bench_mib} MiB of __GFP_ZERO blocks after reporting "
-            "dirty memory; ns per MiB median [p25-p75]; hit = zeroing skipped / zeroing "
+    note = ("" if unit == "ns" else
+            "; -icount shift=0: guest ns are executed instructions, so ns = instructions")
+    return (f"zerobench zero ({platform}{note}; {params.bench_mib} MiB of __GFP_ZERO blocks "
+            "after reporting dirty memory; ns per MiB median [p25-p75]; hit = zeroing "
+            "skipped / zeroing "
             "allocations; vanilla cannot flush: its pages may not be discarded yet)\n"
             + table(["order", "variant", "ns/MiB", "hit", "n"], zero_rows)
-            + f"\n\nzerobench fastpath (uml, no __GFP_ZERO; n={params.fastpath_n}; ns per "
+            + f"\n\nzerobench fastpath ({platform}{note}; no __GFP_ZERO; "
+            f"n={params.fastpath_n}; ns per "
             "alloc+free median [p25-p75] over the whole run and over its fastest chunk (and "
             "the fastest of all); "
             "ratios of medians with bootstrap 95% interval)\n"
