@@ -85,3 +85,23 @@ def test_stock_kernel_with_test_only_patches_is_keyed_by_them(tmp_path):
     assert with_bench != plain
     (tmp_path / "bench.patch").write_text("two")
     assert kernel.build_key(vanilla, "6.12.1", extra) != with_bench
+
+
+def test_builds_are_direct_children_of_their_source_tree(tmp_path, monkeypatch, capsys):
+    """kbuild then names sources "../mm/x.c": ccache hits across series edits."""
+    from freepage_lab.shell import Shell
+
+    monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path))
+    (tmp_path / "a.patch").write_text("one")
+    series = kernel.Series(tmp_path, ("a.patch",))
+    shell = Shell(dry_run=True)
+    built = kernel.build(shell, kernel.BuildSpec("um"), series)
+    tree = kernel.tree_path(shell, series)
+    assert built.out_dir.parent == tree and tree.parent == tmp_path / "src"
+    out = capsys.readouterr().err
+    assert f"make -C {tree} O={built.out_dir} ARCH=um" in out
+    # the stock kernel gets a tree of its own: the pristine base stays clean
+    stock = kernel.build(shell, kernel.BuildSpec("um", patched=False))
+    assert stock.out_dir.parent == kernel.tree_path(shell, kernel.Series.empty()) != tree
+    (tmp_path / "a.patch").write_text("two")
+    assert kernel.tree_path(shell, series) != tree
