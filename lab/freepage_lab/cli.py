@@ -172,7 +172,8 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--vanilla", action="store_true", help="stock kernel, series not applied")
         sp.add_argument("--variant", choices=kernel.VARIANTS, default="release")
         sp.add_argument("--fragment", action="append", default=[],
-                        help="extra config fragment for the patched kernel (repeatable)")
+                        help="extra config fragment for the patched kernel (repeatable); "
+                        "bench.config applies to the stock kernel too")
 
     b = sub.add_parser("build", help="build guest kernels (cached)")
     b.add_argument("--arch", choices=(*kernel.ARCHES, "all"), default="all")

@@ -44,8 +44,9 @@ class RunContext:
                extra_patches: tuple[str, ...] = ()) -> Path:
         arch = "um" if (platform or self.platform) == "uml" else "x86_64"
         want_patched = self.patched if patched is None else patched
-        spec = kernel.BuildSpec(arch, self.variant, want_patched,
-                                self.extra_fragments if want_patched else (), extra_patches)
+        fragments = (self.extra_fragments if want_patched else
+                     tuple(f for f in self.extra_fragments if f in kernel.STOCK_FRAGMENTS))
+        spec = kernel.BuildSpec(arch, self.variant, want_patched, fragments, extra_patches)
         if spec.label not in self._kernels:
             self._kernels[spec.label] = kernel.build(self.shell, spec)
         return self._kernels[spec.label].image

@@ -246,6 +246,11 @@ def check(shell: Shell, series: Series) -> StageResult:
 # Builds
 # --------------------------------------------------------------------------
 
+# --fragment files that apply to the stock kernel of a comparison too (the
+# others set the series' own options, which a stock kernel does not have)
+STOCK_FRAGMENTS = ("bench.config",)
+
+
 @dataclass(frozen=True)
 class BuildSpec:
     arch: str

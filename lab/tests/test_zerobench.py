@@ -137,8 +137,8 @@ def test_dry_run_boots_bench_kernels_and_runs_nothing(capsys, tmp_path, monkeypa
     assert cli.main(["--dry-run", "run", "zerobench", "--platform", "uml",
                      "--fragment", "bench.config"]) == 0
     err = capsys.readouterr().err
-    # stock and patched kernels, both with the bench patch (bench.config: patched only)
-    assert "um-release-vanilla+page-zeroed-bench" in err
+    # stock and patched kernels, both with the bench patch and bench.config
+    assert "um-release-vanilla+bench+page-zeroed-bench" in err
     assert "um-release-patched+bench+page-zeroed-bench" in err
     # off and vanilla run the daemon without bit 6, on with it: 2 rounds x 3 variants
     daemons = [ln for ln in err.splitlines() if "vhost-user-balloon --socket-path" in ln]
@@ -151,7 +151,7 @@ def test_qemu_dry_run_counts_instructions(capsys, tmp_path, monkeypatch):
     assert cli.main(["--dry-run", "run", "zerobench", "--platform", "qemu", "--accel", "tcg",
                      "--fragment", "bench.config", "--param", "rounds=1"]) == 0
     err = capsys.readouterr().err
-    assert "x86_64-release-vanilla+page-zeroed-bench" in err
+    assert "x86_64-release-vanilla+bench+page-zeroed-bench" in err
     qemus = [ln for ln in err.splitlines() if ln.startswith("$ qemu-system-x86_64")]
     assert len(qemus) == 3 and all("-icount shift=0,sleep=off" in q for q in qemus)
     # only "on" tells the driver that reported pages read as zero
