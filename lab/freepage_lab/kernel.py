@@ -273,7 +273,12 @@ class BuildSpec:
         if self.patched:
             # the series' own options (with its debug checks and KUnit suites)
             names += [f for f in PATCHED_FRAGMENTS if (paths.CONFIG_DIR / f).is_file()]
-        names += list(self.extra_fragments)
+        for name in self.extra_fragments:
+            names.append(name)
+            # a fragment's per-arch companion, e.g. bench-x86_64.config
+            companion = f"{Path(name).stem}-{self.arch}.config"
+            if (paths.CONFIG_DIR / companion).is_file():
+                names.append(companion)
         out = []
         for name in names:
             frag = paths.CONFIG_DIR / name
