@@ -22,7 +22,8 @@ Variants, alternating ABBA across boots in one run:
 
 Platforms: UML runs at native speed, but has no jump labels (every static
 key test is a load and a branch) and its timings move with the host. QEMU
-TCG runs a real x86_64 kernel with jump labels; by default it runs with
+TCG runs a real x86_64 kernel (with jump labels when built with
+--fragment bench.config, as it should be); by default it runs with
 -icount shift=0,sleep=off, where guest time advances exactly 1 ns per
 executed instruction: ns per operation are then guest instructions per
 operation, deterministic up to interrupts (valgrind-like counts of the
@@ -226,7 +227,7 @@ class Zerobench(Scenario):
     Params = ZerobenchParams
 
     def _guest(self, ctx: RunContext, params: ZerobenchParams, variant: str, rnd: int,
-               orders: tuple[int, ...]) -> tuple[list[dict], list[dict]]:
+               orders: tuple[int, ...], qemu_args: list[str]) -> tuple[list[dict], list[dict]]:
         cfg = GuestConfig(kernel=ctx.kernel(patched=variant != "vanilla",
                                             extra_patches=(BENCH_PATCH,)),
                           initrd=ctx.initrd(f"zerobench-{ctx.platform}",
@@ -234,7 +235,7 @@ class Zerobench(Scenario):
                           mem_mib=params.mem_mib)
         tag = f"zerobench-{ctx.platform}-{variant}-{rnd}"
         if ctx.platform == "qemu":
-            cfg.extra_args += icount_args(ctx, params)
+            cfg.extra_args += qemu_args
             if variant == "on":
                 cfg.cmdline.append("virtio_balloon.assume_reported_zero=1")
         # UML: the daemon offers bit 6 (reported pages read as zero) only for "on"
@@ -267,6 +268,8 @@ class Zerobench(Scenario):
             raise LabError(f"zerobench runs on UML or QEMU, not {ctx.platform}")
         orders = check_params(params)
         unit = time_unit(ctx, params)
+        # before any kernel is built: -icount without TCG is an error
+        qemu_args = icount_args(ctx, params) if ctx.platform == "qemu" else []
         if "bench.config" not in ctx.extra_fragments:
             print("zerobench: no --fragment bench.config: the patched kernels verify every "
                   "known-zero page, so on/off numbers are not representative", flush=True)
@@ -274,7 +277,7 @@ class Zerobench(Scenario):
         vmstat: dict[str, list[dict]] = {v: [] for v in params.variants}
         for rnd in range(params.rounds):
             for variant in abba(params.variants, rnd):
-                r, s = self._guest(ctx, params, variant, rnd, orders)
+                r, s = self._guest(ctx, params, variant, rnd, orders, qemu_args)
                 records[variant] += r
                 vmstat[variant] += s
         if ctx.shell.dry_run:
