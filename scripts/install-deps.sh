@@ -9,7 +9,7 @@ venv="$repo/.venv"
 apt_packages=(
 	linux-source-6.12 build-essential flex bison bc libelf-dev libssl-dev
 	cpio xz-utils kmod rsync busybox-static qemu-system-x86 python3-venv ccache
-	python3-pip valgrind
+	python3-pip valgrind gdb
 )
 
 missing=()

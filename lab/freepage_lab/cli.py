@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from . import guest as guest_mod
-from . import kernel, paths, scenarios
+from . import insntrace, kernel, paths, scenarios
 from .context import RunContext
 from .runners import GuestConfig
 from .shell import LabError, Shell, StageResult
@@ -84,6 +84,30 @@ def cmd_run(args: argparse.Namespace, shell: Shell) -> int:
     print(outcome.table)
     for p in outcome.plots:
         print(f"plot: {p}")
+    print(f"results: {ctx.run_dir}")
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace, shell: Shell) -> int:
+    from .scenarios.zerobench import BENCH_PATCH
+
+    ctx = RunContext.create(shell, "trace-qemu", platform="qemu", accel="tcg",
+                            extra_fragments=("bench.config",))
+    initrd = ctx.initrd("trace", insntrace.GUEST_SCRIPT)
+    results: dict[str, insntrace.Iteration] = {}
+    for label, patched in (("stock", False), ("series", True)):
+        image = ctx.kernel(patched=patched, extra_patches=(BENCH_PATCH,))
+        build_dir = image.parents[3]
+        pcs = insntrace.trace_kernel(shell, build_dir, initrd, ctx.run_dir / label,
+                                     steps=args.steps)
+        if shell.dry_run:
+            continue
+        results[label] = insntrace.one_iteration(pcs, insntrace.Symbols.of(build_dir / "vmlinux"))
+    if shell.dry_run:
+        return 0
+    insntrace.save(ctx.run_dir / "trace.json", results)
+    print("instructions of one order-0 alloc+free iteration of the benchmark loop")
+    print(insntrace.table(results))
     print(f"results: {ctx.run_dir}")
     return 0
 
@@ -207,6 +231,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("runs", nargs="+", help="run directories (one or two)")
     c.set_defaults(func=cmd_compare)
 
+    t = sub.add_parser("trace", help="instructions of the allocator fast path, per function "
+                       "(x86_64 benchmark kernels, QEMU TCG + gdb)")
+    t.add_argument("--steps", type=int, default=2000,
+                   help="instructions to single-step (3 iterations must fit)")
+    t.set_defaults(func=cmd_trace)
     d = sub.add_parser("demo", help="the baseline: reclaim, realloc, migrate on stock Linux")
     d.add_argument("--accel", choices=("auto", "tcg", "kvm"), default="auto")
     d.add_argument("--quick", action="store_true", help="fewer repetitions")
