@@ -12,6 +12,7 @@ from . import guest as guest_mod
 from . import insntrace, kernel, paths, scenarios
 from .context import RunContext
 from .runners import GuestConfig
+from .scenarios.zerobench import BENCH_PATCH
 from .shell import LabError, Shell, StageResult
 
 DEFAULT_BOOT_SCRIPT = """uname -a
@@ -89,8 +90,6 @@ def cmd_run(args: argparse.Namespace, shell: Shell) -> int:
 
 
 def cmd_trace(args: argparse.Namespace, shell: Shell) -> int:
-    from .scenarios.zerobench import BENCH_PATCH
-
     ctx = RunContext.create(shell, "trace-qemu", platform="qemu", accel="tcg",
                             extra_fragments=("bench.config",))
     initrd = ctx.initrd("trace", insntrace.GUEST_SCRIPT)
