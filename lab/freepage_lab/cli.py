@@ -107,6 +107,8 @@ def cmd_trace(args: argparse.Namespace, shell: Shell) -> int:
     insntrace.save(ctx.run_dir / "trace.json", results)
     print("instructions of one order-0 alloc+free iteration of the benchmark loop")
     print(insntrace.table(results))
+    for label, it in results.items():
+        print(f"{label}: iterations traced {it.lengths}")
     print(f"results: {ctx.run_dir}")
     return 0
 
@@ -232,8 +234,8 @@ def parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("trace", help="instructions of the allocator fast path, per function "
                        "(x86_64 benchmark kernels, QEMU TCG + gdb)")
-    t.add_argument("--steps", type=int, default=2000,
-                   help="instructions to single-step (3 iterations must fit)")
+    t.add_argument("--steps", type=int, default=3000,
+                   help="instructions to single-step (several iterations must fit)")
     t.set_defaults(func=cmd_trace)
     d = sub.add_parser("demo", help="the baseline: reclaim, realloc, migrate on stock Linux")
     d.add_argument("--accel", choices=("auto", "tcg", "kvm"), default="auto")
