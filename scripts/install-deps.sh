@@ -10,6 +10,10 @@ apt_packages=(
 	linux-source-6.12 build-essential flex bison bc libelf-dev libssl-dev
 	cpio xz-utils kmod rsync busybox-static qemu-system-x86 python3-venv ccache
 	python3-pip valgrind gdb
+	# the arm64 platform: cross compiler, libc for the static KVM selftests,
+	# qemu-system-aarch64 (from the same backports as qemu-system-x86 when
+	# that one comes from there: the two share qemu-system-common)
+	gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-system-arm
 )
 
 missing=()
@@ -17,6 +21,19 @@ for p in "${apt_packages[@]}"; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
 		missing+=("$p")
 done
+# busybox-static:arm64 for the arm64 initramfs is fetched by the lab with
+# `apt-get download` (the package is not Multi-Arch: it cannot be installed
+# beside the host's); apt needs the foreign architecture to find it.
+if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+	if [ "$(id -u)" != 0 ]; then
+		echo "install-deps: run as root to add the arm64 dpkg architecture" >&2
+		exit 1
+	fi
+	echo "install-deps: dpkg --add-architecture arm64"
+	dpkg --add-architecture arm64
+	apt-get update -qq || { echo "install-deps: apt-get update failed" >&2; exit 1; }
+fi
+
 if ((${#missing[@]})); then
 	if [ "$(id -u)" != 0 ]; then
 		echo "install-deps: missing packages: ${missing[*]} (run as root)" >&2
@@ -24,8 +41,13 @@ if ((${#missing[@]})); then
 	fi
 	echo "install-deps: apt-get install ${missing[*]}"
 	apt-get update -qq || { echo "install-deps: apt-get update failed" >&2; exit 1; }
+	backports=()
+	# qemu-system-arm must match qemu-system-common, which may be a backport
+	if dpkg-query -W -f='${Version}' qemu-system-common 2>/dev/null | grep -q bpo; then
+		backports=(-t "$(. /etc/os-release && echo "$VERSION_CODENAME")-backports")
+	fi
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-		"${missing[@]}" >/dev/null ||
+		"${backports[@]}" "${missing[@]}" >/dev/null ||
 		{ echo "install-deps: apt-get install ${missing[*]} failed" >&2; exit 1; }
 fi
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from . import guest as guest_mod
 from . import insntrace, kernel, paths, scenarios
 from .context import RunContext
-from .runners import GuestConfig
+from .runners import PLATFORMS, GuestConfig
 from .scenarios.zerobench import BENCH_PATCH
 from .shell import LabError, Shell, StageResult
 
@@ -43,15 +43,18 @@ def cmd_build(args: argparse.Namespace, shell: Shell) -> int:
 
 
 def cmd_series(args: argparse.Namespace, shell: Shell) -> int:
+    queue = kernel.QUEUES[args.queue or "never-zero-twice"]
     if args.action == "tree":
-        kernel.materialise(shell, kernel.Series.load(), Path(args.dir))
+        kernel.materialise(shell, kernel.Series.load(queue.patch_dir), Path(args.dir))
         print(f"work tree ready: {args.dir} (base tag freepage-base)")
         return 0
     if args.action == "export":
-        names = kernel.export(shell, Path(args.dir))
-        print(f"exported {len(names)} patches to {paths.PATCH_DIR}")
+        names = kernel.export(shell, Path(args.dir), queue.patch_dir)
+        print(f"exported {len(names)} patches to {queue.patch_dir}")
         return 0
-    return report([kernel.check(shell, kernel.Series.load())])
+    # each series applies to pristine 6.12 on its own
+    queues = [queue] if args.queue else list(kernel.QUEUES.values())
+    return report([kernel.check(shell, kernel.Series.load(q.patch_dir), q.name) for q in queues])
 
 
 def cmd_boot(args: argparse.Namespace, shell: Shell) -> int:
@@ -191,7 +194,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def platform_opts(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--platform", choices=("uml", "qemu"), default="qemu")
+        sp.add_argument("--platform", choices=PLATFORMS, default="qemu",
+                        help="arm64: qemu-system-aarch64 with EL2, the guest runs KVM")
         sp.add_argument("--accel", choices=("auto", "tcg", "kvm"), default="auto",
                         help="QEMU accelerator; auto uses KVM only if it is hardware KVM")
         sp.add_argument("--vanilla", action="store_true", help="stock kernel, series not applied")
@@ -212,6 +216,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("action", choices=("tree", "export", "check"))
     s.add_argument("dir", nargs="?", default=str(paths.REPO / "kernel" / "tree"),
                    help="git work tree (tree: created; export: read)")
+    s.add_argument("--queue", choices=sorted(kernel.QUEUES),
+                   help="which series (default: never-zero-twice; check: every series)")
     s.set_defaults(func=cmd_series)
 
     bt = sub.add_parser("boot", help="boot a guest and run a script")
