@@ -36,7 +36,8 @@ def cmd_build(args: argparse.Namespace, shell: Shell) -> int:
     arches = kernel.ARCHES if args.arch == "all" else (args.arch,)
     results = []
     for arch in arches:
-        spec = kernel.BuildSpec(arch, args.variant, not args.vanilla, tuple(args.fragment))
+        spec = kernel.BuildSpec(arch, args.variant, not args.vanilla, tuple(args.fragment),
+                                tuple(args.patch))
         res, _ = kernel.build_stage(shell, spec)
         results.append(res)
     return report(results)
@@ -210,6 +211,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--vanilla", action="store_true", help="do not apply kernel/patches")
     b.add_argument("--fragment", action="append", default=[],
                    help="extra config fragment from kernel/configs (repeatable)")
+    b.add_argument("--patch", action="append", default=[],
+                   help="test-only patch from the series' bench/ directory, applied after "
+                   "the series (repeatable), e.g. split-walk-stats.patch for arm64")
     b.set_defaults(func=cmd_build)
 
     s = sub.add_parser("series", help="patch queue: work tree, export, check")

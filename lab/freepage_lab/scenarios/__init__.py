@@ -59,12 +59,13 @@ def registry() -> dict[str, Scenario]:
     from .migrate import Migrate
     from .realloc import Realloc
     from .reclaim import ReclaimScenario
+    from .split import Split
     from .zerobench import Zerobench
     from .zeromix import Zeromix
     from .zeroskip import Zeroskip
 
     return {s.name: s for s in (ReclaimScenario(), Realloc(), Migrate(), Zeroskip(), Zeromix(),
-                                Zerobench())}
+                                Zerobench(), Split())}
 
 
 def get(name: str) -> Scenario:
