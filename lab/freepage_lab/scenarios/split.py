@@ -75,7 +75,7 @@ class Params:
     # manual protect off (split at dirty-log enable) and on (split at clear)
     manual: tuple[str, ...] = ("off", "on")
     mib: int = 256  # the test memslot (one vCPU)
-    iterations: int = 2
+    iterations: int = 2  # dirty_log_perf_test needs two
     rounds: int = 2
     chunk_bytes: int = 2 << 20  # KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE
     kvm_mode: str = "vhe"  # or nvhe: kvm-arm.mode=nvhe
