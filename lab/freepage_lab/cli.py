@@ -153,10 +153,11 @@ def cmd_compare(args: argparse.Namespace, shell: Shell) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, shell: Shell) -> int:
-    """Baseline of stock Linux 6.12 + stock QEMU: reclaim, realloc, migrate."""
+    """Baseline of stock Linux 6.12 + stock QEMU: reclaim, realloc, migrate; eager split."""
     ctx = RunContext.create(shell, "demo", platform="qemu", accel=args.accel, patched=False)
     quick = {"reclaim": {"repeat": "1"}, "realloc": {"repeat": "1", "rounds": "2"},
-             "migrate": {"rounds": "2"}} if args.quick else {}
+             "migrate": {"rounds": "2"}, "split": {"mib": "64", "rounds": "1"}} \
+        if args.quick else {"split": {"mib": "256"}}
     uml = {"modes": "4k", "mem_mib": "1024", "repeat": quick.get("reclaim", {}).get("repeat", "3")}
     plan: list[tuple[str, str, dict[str, str]]] = [
         ("reclaim", "qemu", quick.get("reclaim", {})),
@@ -166,6 +167,9 @@ def cmd_demo(args: argparse.Namespace, shell: Shell) -> int:
         # default per-cpu lists and with them kept small
         ("reclaim", "uml", uml),
         ("reclaim", "uml", {**uml, "pcp_high_fraction": "1000"}),
+        # faster eager split (arm64-split series): KVM inside an arm64 guest,
+        # stock vs series, work in guest instructions
+        ("split", "arm64", quick["split"]),
     ]
     tables = []
     for name, platform, overrides in plan:

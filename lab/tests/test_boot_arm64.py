@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from freepage_lab import kunit
 from freepage_lab.context import RunContext
 from freepage_lab.runners import GuestConfig
 from freepage_lab.shell import Shell
@@ -16,6 +17,8 @@ KVM_UP = {"vhe": "kvm [1]: VHE mode initialized successfully",
 # under TCG is slow; with eager splitting on, so the split walk runs
 DIRTY_LOG_TEST = ("KVM_EAGER_SPLIT_CHUNK_SIZE=2097152 /kvm/dirty_log_test -m 6 -i 3 -I 1 -M {}"
                   " && echo DIRTY-LOG-{}-OK\n")
+KTAP_LINES = "(ok|not ok) [0-9]+ |# [a-z0-9_]+: pass:"
+SPLIT_SUITE = "kvm_stage2_split"
 # dirty_log_test's log modes: bitmap, clear (manual protect), dirty ring
 LOG_MODES = ("dirty-log", "clear-log")
 
@@ -25,6 +28,8 @@ def script(kvm_mode: str, log_modes: tuple[str, ...]) -> str:
              # dirty_log_test maps a 1 GiB memslot it touches only in part
              "echo 1 > /proc/sys/vm/overcommit_memory\n"]
     lines += [DIRTY_LOG_TEST.format(m, m) for m in log_modes]
+    # the series' KUnit suite ran at boot; show its KTAP lines (stock: none)
+    lines.append(f"dmesg | grep -E '{KTAP_LINES}' || true\n")
     return "".join(lines)
 
 
@@ -51,3 +56,7 @@ def test_arm64_kvm_initialises_and_dirty_log_test_passes(tmp_path: Path, kernel:
     assert KVM_UP[kvm_mode] in text
     for mode in log_modes:
         assert f"DIRTY-LOG-{mode}-OK" in text
+    if kernel == "series":
+        results = kunit.parse(text.splitlines())
+        assert results.ok, results
+        assert results.suites[SPLIT_SUITE]["pass"] >= 5, results

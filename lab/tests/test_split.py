@@ -75,3 +75,17 @@ def test_split_refuses_other_platforms_and_bad_params(tmp_path):
     ctx.platform = "arm64"
     with pytest.raises(LabError, match="unknown backing"):
         split.Split().run(ctx, split.Split().params({"backings": "shmem"}))
+
+
+def test_dry_run_split_prints_both_kernels_and_icount_boots(capsys, tmp_path, monkeypatch):
+    from freepage_lab import cli
+
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path / "cache"))
+    assert cli.main(["--dry-run", "run", "split", "--platform", "arm64",
+                     "--param", "rounds=1"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("split-walk-stats.patch") >= 2  # stock and series carry it
+    assert "arm64-split/patches/0002" in err  # the series
+    assert err.count("$ qemu-system-aarch64") == 2 and "-icount shift=0" in err
+    assert not (tmp_path / "runs").exists()

@@ -219,6 +219,8 @@ class Split(Scenario):
                 if rc != 0:
                     raise LabError(f"split: guest script failed (exit {rc}); see {guest.log_path}")
                 samples[variant] += [parse_record(r) for r in recs]
+        if ctx.shell.dry_run:
+            return Outcome(self.name, {}, "split: dry run, nothing measured")
         cases = summarise_cases(samples)
         data = {"params": asdict(p), "cases": cases,
                 "units": "instructions (QEMU -icount shift=0: 1 virtual ns per instruction)",
