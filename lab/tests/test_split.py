@@ -89,3 +89,13 @@ def test_dry_run_split_prints_both_kernels_and_icount_boots(capsys, tmp_path, mo
     assert "arm64-split/patches/0002" in err  # the series
     assert err.count("$ qemu-system-aarch64") == 2 and "-icount shift=0" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_1g_hugetlb_needs_whole_gib(tmp_path):
+    from freepage_lab.context import RunContext
+    from freepage_lab.shell import Shell
+
+    ctx = RunContext(shell=Shell(dry_run=True), run_dir=tmp_path, platform="arm64")
+    scen = split.Split()
+    with pytest.raises(LabError, match="multiple of 1024"):
+        scen.run(ctx, scen.params({"backings": "anonymous_hugetlb_1gb", "mib": "512"}))

@@ -44,6 +44,8 @@ from . import Outcome, Scenario, abba, table
 STATS_PATCH = "split-walk-stats.patch"
 STATS = "/sys/module/kvm/parameters/split_walk_stats"
 BACKINGS = ("anonymous", "anonymous_thp", "anonymous_hugetlb")
+# opt-in: 1 GiB blocks (a boot-time pool of 1 GiB pages in the L1 guest)
+HUGE_1G = "anonymous_hugetlb_1gb"
 VARIANTS = ("stock", "series")
 MODE_P40V48_4K = 6  # dirty_log_perf_test -m: 4 KiB guest pages
 MAX_MIB = 4096
@@ -123,7 +125,7 @@ def summarise_cases(samples: dict[str, list[dict[str, Any]]]) -> list[dict[str, 
     """Per case: medians per variant, the series/stock ratio of split instructions."""
     cases: list[dict[str, Any]] = []
     keys = sorted({(r["backing"], r["manual"]) for rs in samples.values() for r in rs},
-                  key=lambda k: (BACKINGS.index(k[0]) if k[0] in BACKINGS else 99, k[1]))
+                  key=lambda k: ((*BACKINGS, HUGE_1G).index(k[0]), k[1]))
     for backing, manual in keys:
         case: dict[str, Any] = {"backing": backing, "manual": manual}
         for variant in VARIANTS:
@@ -189,8 +191,11 @@ class Split(Scenario):
         if ctx.platform != "arm64":
             raise LabError("split: runs on --platform arm64 (KVM arm64 inside the guest)")
         for b in p.backings:
-            if b not in BACKINGS:
-                raise LabError(f"split: unknown backing {b!r}; choose from {', '.join(BACKINGS)}")
+            if b not in (*BACKINGS, HUGE_1G):
+                raise LabError(f"split: unknown backing {b!r}; choose from "
+                               f"{', '.join((*BACKINGS, HUGE_1G))}")
+        if HUGE_1G in p.backings and p.mib % 1024:
+            raise LabError(f"split: {HUGE_1G} needs mib to be a multiple of 1024")
         if not set(p.manual) <= {"off", "on"} or not p.manual:
             raise LabError("split: manual is a list of off,on")
         if not 2 <= p.mib <= MAX_MIB or p.mib % 2:
@@ -202,6 +207,10 @@ class Split(Scenario):
         initrd = ctx.initrd("split", guest_script(p))
         mem = p.mem_mib or max(1024, 2 * p.mib + 512)
         cmdline = ["kvm-arm.mode=nvhe"] if p.kvm_mode == "nvhe" else []
+        if HUGE_1G in p.backings:
+            # 1 GiB pages are only sure to be found at boot
+            cmdline += ["hugepagesz=1G", f"hugepages={p.mib // 1024}", "hugepagesz=2M"]
+            mem = p.mem_mib or mem + p.mib
         samples: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
         for rnd in range(p.rounds):
             for variant in abba(VARIANTS, rnd):
