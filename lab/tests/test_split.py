@@ -99,3 +99,34 @@ def test_1g_hugetlb_needs_whole_gib(tmp_path):
     scen = split.Split()
     with pytest.raises(LabError, match="multiple of 1024"):
         scen.run(ctx, scen.params({"backings": "anonymous_hugetlb_1gb", "mib": "512"}))
+
+
+def recorded(name):
+    """The split records of a recorded console (lab/tests/data), as Guest.json_records gives."""
+    from pathlib import Path
+
+    text = (Path(__file__).parent / "data" / name).read_text()
+    recs = []
+    for line in text.splitlines():
+        body = line.split("] ", 1)[-1]
+        if body.startswith('{"prog":"split"'):
+            recs.append(json.loads(body))
+    return recs
+
+
+def test_recorded_1gib_run_every_level3_visit_gone():
+    samples = {v: [split.parse_record(r) for r in recorded(f"split-arm64-{v}.log")]
+               for v in ("stock", "series")}
+    assert len(samples["stock"]) == len(samples["series"]) == 6
+    cases = {(c["backing"], c["manual"]): c for c in split.summarise_cases(samples)}
+    anon = cases[("anonymous", "off")]
+    assert anon["stock"]["visits_by_level"] == [0, 513, 513, 262144]
+    assert anon["series"]["visits_by_level"] == [0, 513, 513, 0]
+    assert anon["stock"]["enable_ioctl_insns_median"] == 80_921_936
+    assert anon["ratio_split_insns"]["ratio"] == pytest.approx(0.0107, abs=0.001)
+    thp = cases[("anonymous_thp", "on")]
+    assert thp["stock"]["clear_ioctls_insns_median"] == 332_130_738
+    assert thp["ratio_split_insns"]["ratio"] == pytest.approx(0.728, abs=0.002)
+    for c in cases.values():
+        assert c["series"]["visits_by_level"][3] == 0
+        assert c["series"]["visits_by_level"][:3] == c["stock"]["visits_by_level"][:3]
