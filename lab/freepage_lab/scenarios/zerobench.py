@@ -57,6 +57,7 @@ from typing import Any
 
 from ..context import RunContext
 from ..initramfs import BOOTED
+from ..knobs import FLUSH
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import median_ratio, summarise
@@ -66,7 +67,6 @@ from . import Outcome, Scenario, abba, table
 BENCH_PATCH = "page-zeroed-bench.patch"
 BENCH_PROG = "page_zeroed_bench"
 RUN = "/sys/module/page_zeroed_bench/parameters/run"
-FLUSH = "/sys/module/page_reporting/parameters/flush"
 COUNTERS = ("pgzero_skipped", "pgzero_missed", "pgzero_marked_reported", "pgzero_merge_lost")
 VARIANTS = ("vanilla", "off", "on")
 MAX_PAGE_ORDER = 10

@@ -35,12 +35,12 @@ from typing import Any
 
 from ..context import RunContext
 from ..initramfs import BOOTED
+from ..knobs import FLUSH
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import median_ratio, quantile, summarise
 from . import Outcome, Scenario, abba, table
 
-FLUSH = "/sys/module/page_reporting/parameters/flush"
 PCP_HIGH_FRACTION = "/proc/sys/vm/percpu_pagelist_high_fraction"
 FILE = "/tmp/zeromix.file"
 # counters every snapshot must carry (pages); the other pgzero_* come along

@@ -22,12 +22,12 @@ from typing import Any
 
 from ..context import RunContext
 from ..initramfs import BOOTED
+from ..knobs import FLUSH
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, abba, table
 
-FLUSH = "/sys/module/page_reporting/parameters/flush"
 # test-only: a kernel that never zeroes anonymous/THP/hugetlb user pages (unsafe)
 LIMIT_PATCH = "unsafe-no-user-page-zeroing.patch"
 COUNTERS = ("pgzero_skipped", "pgzero_missed", "pgzero_marked_reported", "pgzero_merge_lost")
