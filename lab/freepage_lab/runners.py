@@ -52,8 +52,8 @@ class Runner(ABC):
     def footprint_bytes(self, guest: Guest) -> int | None:
         """Host memory the guest's RAM costs right now (None: guest gone)."""
 
-    def guest(self, name: str, cfg: GuestConfig, log: Path) -> Guest:
-        return Guest(name, self.argv(cfg), log, self.shell)
+    def guest(self, name: str, cfg: GuestConfig, log: Path, interactive: bool = False) -> Guest:
+        return Guest(name, self.argv(cfg), log, self.shell, interactive=interactive)
 
 
 def rss_bytes(pid: int) -> int | None:
