@@ -237,14 +237,24 @@ def configure_argv(src: Path, flags: tuple[str, ...] = CONFIGURE_FLAGS) -> list[
     return [str(src / "configure"), *flags]
 
 
-def build(shell: Shell, series: Series | None = None) -> BuiltQemu:
+def build(shell: Shell, series: Series | None = None,
+          extra_patches: tuple[str, ...] = ()) -> BuiltQemu:
     """Configure and build out of tree, or return the cached build.
+
+    `extra_patches`: test-only patches from qemu/bench/, applied after the
+    series (e.g. one that takes a fix back out, to show a test fails).
 
     The build directory is a direct child of the applied tree, so meson
     names sources "../hw/...": with ccache a series edit recompiles only
     the files it touched.
     """
     series = load_series() if series is None else series
+    for name in extra_patches:
+        if not (paths.QEMU_DIR / "bench" / name).is_file():
+            raise LabError(f"test-only patch qemu/bench/{name} does not exist")
+    if extra_patches:
+        series = Series(series.directory,
+                        series.names + tuple(f"../bench/{n}" for n in extra_patches))
     key = build_key(series)
     out = tree_path(series) / f"build-{key}"
     binary = out / BINARY_NAME

@@ -12,10 +12,19 @@ the guest now believes zero must have been sent again as zeroes.
 The guest's own checks keep the test from passing vacuously: bit 6 must be
 negotiated and reporting must have marked pages zero.
 
-FREEPAGE_MIGRATION_BASELINE=stock runs the same test against Debian's QEMU
-(no qemu/patches) with a guest that trusts reports
-(virtio_balloon.assume_reported_zero=1): the configuration in which the
-destination handed out stale data.  It is expected to fail.
+The same for the balloon (bit 7, VIRTIO_BALLOON_F_DEVICE_INIT_ON_INFLATE,
+proposed, not allocated): the host inflates the balloon over the freed data
+during the migration and deflates it on the destination; the deflated
+pages, which the guest frees as zero, must read zero there.
+
+Baselines, expected to fail (FREEPAGE_MIGRATION_BASELINE=...):
+* `stock`: Debian's QEMU (no qemu/patches) with a guest that trusts reports
+  (virtio_balloon.assume_reported_zero=1), the configuration in which the
+  destination handed out stale data (reporting test);
+* `no-dirty`: the patched QEMU with qemu/bench/no-dirty-discards.patch,
+  i.e. without "virtio-balloon: mark discarded memory dirty" (balloon test;
+  the reporting test passes there: a used length > 0 marks the reported
+  buffers dirty on its own).
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ pytestmark = [
 
 MIB = 1 << 20
 BALLOON_BIT_DEVICE_INIT_REPORTED = 6
+BALLOON_BIT_DEVICE_INIT_ON_INFLATE = 7
 BASELINE = os.environ.get("FREEPAGE_MIGRATION_BASELINE", "")
 
 
@@ -56,12 +66,23 @@ class Plan:
     churn_mib: int = 8
 
 
-def guest_script(p: Plan) -> str:
-    """Fill, wait for the host, free + report, wait for the host, verify."""
+def vmstat(name: str) -> str:
+    return f"awk '/^{name} /{{print $2}}' /proc/vmstat"
+
+
+def guest_script(p: Plan, report: bool = True) -> str:
+    """Fill, wait for the host, free (+ report), wait for the host, verify."""
     balloon = ("for d in /sys/bus/virtio/devices/*; do "
                "[ \"$(cat $d/device)\" = 0x0005 ] && echo ${d##*/}; done | head -1")
-    marked = "awk '/^pgzero_marked_reported /{print $2}' /proc/vmstat"
+    marked = vmstat("pgzero_marked_reported")
     features = knobs.VIRTIO_FEATURES.format(dev="$dev")
+    free = [
+        "rm /tmp/fill",
+        f"m0=$({marked})",
+        f"echo 1000000 > {knobs.FLUSH}",
+        f"m1=$({marked})",
+        f"echo \"{EVENT} freed marked_reported=$((m1 - m0))\"",
+    ] if report else ["rm /tmp/fill", f"echo \"{EVENT} freed\""]
     return "\n".join([
         "echo 1000 > /proc/sys/vm/percpu_pagelist_high_fraction",
         "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled",
@@ -73,13 +94,10 @@ def guest_script(p: Plan) -> str:
         "churn=$!",
         f"echo \"{EVENT} filled\"",
         "read go",
-        "rm /tmp/fill",
-        f"m0=$({marked})",
-        f"echo 1000000 > {knobs.FLUSH}",
-        f"m1=$({marked})",
-        f"echo \"{EVENT} freed marked_reported=$((m1 - m0))\"",
+        *free,
         "read verify",
         "kill $churn; wait $churn || true",
+        f"echo \"{EVENT} verify marked_freed=$({vmstat('pgzero_marked_freed')})\"",
         # exit 1 = non-zero bytes: the host reads the count from the JSON line
         f"populate --mib {p.verify_mib} --mode 4k --verify --tag dst-4k || [ $? -eq 1 ]",
         f"populate --mib {p.verify_mib} --mode thp --verify --tag dst-thp || [ $? -eq 1 ]",
@@ -104,29 +122,72 @@ def kernel_warnings(g: Guest) -> list[str]:
     return [ln.text for ln in g.lines[booted:] if re.search(r"WARNING|BUG", ln.text)]
 
 
-def test_reported_pages_read_zero_on_the_destination(tmp_path: Path) -> None:
-    plan = Plan()
+def qemu_binary(shell: Shell) -> Path:
+    if BASELINE == "stock":
+        return STOCK_QEMU
+    if BASELINE == "no-dirty":
+        return qemu.build(shell, extra_patches=("no-dirty-discards.patch",)).binary
+    return qemu.build(shell).binary
+
+
+def balloon_actual_mib(qmp: Qmp) -> int:
+    info = qmp.execute("query-balloon")
+    assert isinstance(info, dict)
+    return int(info["actual"]) // MIB
+
+
+def wait_balloon(qmp: Qmp, target_mib: int, timeout: float) -> None:
+    """Ask for a guest size and wait until the balloon driver got there."""
+    qmp.execute("balloon", value=target_mib * MIB)
+    deadline = time.monotonic() + timeout
+    while balloon_actual_mib(qmp) != target_mib:
+        assert time.monotonic() < deadline, \
+            f"balloon at {balloon_actual_mib(qmp)} MiB, not {target_mib}, after {timeout:.0f} s"
+        time.sleep(0.2)
+
+
+@dataclass
+class Outcome:
+    features: str
+    events: dict[str, dict[str, int]]
+    populates: dict[str, dict]
+    warnings: list[str]
+    rc: int
+    migration: dict
+    console_tail: str
+
+    def bit(self, n: int) -> bool:
+        return len(self.features) > n and self.features[n] == "1"
+
+
+def migrate_while_freeing(tmp_path: Path, plan: Plan, report: bool,
+                          inflate_mib: int = 0, **device: bool) -> Outcome:
+    """Boot, fill, migrate; free (and inflate) mid-migration; verify on the destination."""
     shell = Shell()
     ctx = RunContext(shell=shell, run_dir=tmp_path, platform="qemu", accel="tcg", patched=True)
-    if BASELINE == "stock":
-        binary, init, cmdline = STOCK_QEMU, False, ["virtio_balloon.assume_reported_zero=1"]
-    else:
-        binary, init, cmdline = qemu.build(shell).binary, True, []
-    runner = QemuRunner(shell, "tcg", binary)
-    initrd = ctx.initrd("migrate-zero", guest_script(plan))
+    runner = QemuRunner(shell, "tcg", qemu_binary(shell))
+    cmdline = ["virtio_balloon.assume_reported_zero=1"] if BASELINE == "stock" and report else []
+    initrd = ctx.initrd("migrate-zero", guest_script(plan, report))
     port = free_port()
-    common = dict(kernel=ctx.kernel(), initrd=initrd, mem_mib=plan.mem_mib,
-                  device_init_reported=init, cmdline=cmdline)
+    common = dict(kernel=ctx.kernel(), initrd=initrd, mem_mib=plan.mem_mib, cmdline=cmdline,
+                  free_page_reporting=report, **device)
     src_cfg = GuestConfig(**common, qmp_socket=tmp_path / "src.qmp")  # type: ignore[arg-type]
     dst_cfg = GuestConfig(**common, qmp_socket=tmp_path / "dst.qmp",  # type: ignore[arg-type]
                           incoming=f"tcp:127.0.0.1:{port}")
     src = runner.guest("src", src_cfg, ctx.log("src"), interactive=True)
     dst = runner.guest("dst", dst_cfg, ctx.log("dst"), interactive=True)
     t0 = time.monotonic()
+    events: dict[str, dict[str, int]] = {}
+
+    def event(g: Guest, name: str, timeout: float) -> None:
+        _, line, _ = g.wait_for(rf"^{EVENT} {name}\b", timeout)
+        events[name] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line.text)}
+        print(f"[{time.monotonic() - t0:5.0f} s] {line.text}", flush=True)
+
     with src, dst:
         _, _, m = src.wait_for(rf"^{EVENT} features ([01]+)", 120)
         features = m.group(1)
-        src.wait_for(rf"^{EVENT} filled", 300)
+        event(src, "filled", 300)
         qs, qd = Qmp(tmp_path / "src.qmp"), Qmp(tmp_path / "dst.qmp")
         try:
             qs.execute("migrate-set-parameters", **{
@@ -135,43 +196,69 @@ def test_reported_pages_read_zero_on_the_destination(tmp_path: Path) -> None:
             # the first pass has sent the data when the second sync begins
             first = wait_migration(qs, lambda i: i.get("ram", {}).get("dirty-sync-count", 0) >= 2,
                                    240)
-            t_sent = time.monotonic() - t0
+            print(f"[{time.monotonic() - t0:5.0f} s] first pass sent "
+                  f"{first['ram']['transferred'] / MIB:.0f} MiB", flush=True)
             src.send("go")
-            _, _, m = src.wait_for(rf"^{EVENT} freed marked_reported=(\d+)", 120)
-            marked = int(m.group(1))
+            event(src, "freed", 120)
+            if inflate_mib:
+                wait_balloon(qs, plan.mem_mib - inflate_mib, 180)
+                print(f"[{time.monotonic() - t0:5.0f} s] inflated {inflate_mib} MiB", flush=True)
             qs.execute("migrate-set-parameters", **{"downtime-limit": 2000})
             info = wait_migration(qs, lambda i: i.get("status") == "completed", 240)
             deadline = time.monotonic() + 30
             while (qd.execute("query-status") or {}).get("status") != "running":  # type: ignore[union-attr]
                 assert time.monotonic() < deadline, "destination did not resume"
                 time.sleep(0.1)
+            ram = info.get("ram", {})
+            print(f"[{time.monotonic() - t0:5.0f} s] migrated: {info.get('total-time')} ms, "
+                  f"{ram.get('transferred', 0) / MIB:.0f} MiB, {ram.get('duplicate')} zero "
+                  f"pages, {ram.get('normal')} normal pages", flush=True)
+            if inflate_mib:
+                wait_balloon(qd, plan.mem_mib, 180)
+                print(f"[{time.monotonic() - t0:5.0f} s] deflated on the destination", flush=True)
         finally:
             qs.close()
             qd.close()
         dst.send("verify")
+        event(dst, "verify", 60)
         rc = dst.wait_exit(300)
-        records = {r["tag"]: r for r in dst.json_records("populate")}
+        populates = {r["tag"]: r for r in dst.json_records("populate")}
         warnings = kernel_warnings(src) + kernel_warnings(dst)
-    ram = info.get("ram", {})
-    print(f"bit 6 negotiated: {features[BALLOON_BIT_DEVICE_INIT_REPORTED] == '1'}; "
-          f"pages marked zero by reporting: {marked}; first pass sent after {t_sent:.0f} s "
-          f"({first['ram']['transferred'] / MIB:.0f} MiB)")
-    print(f"migration: {info.get('total-time')} ms, {ram.get('transferred', 0) / MIB:.0f} MiB, "
-          f"{ram.get('duplicate')} zero pages, {ram.get('normal')} normal pages")
-    for tag in ("dst-4k", "dst-thp"):
-        if tag in records:
-            print(f"{tag}: {records[tag]['nonzero_bytes']} non-zero bytes in "
-                  f"{records[tag]['mib']} MiB")
-    print(f"elapsed {time.monotonic() - t0:.0f} s")
-    assert rc == 0, dst.tail(30)
-    assert set(records) == {"dst-4k", "dst-thp"}, records
+    for tag, r in populates.items():
+        print(f"{tag}: {r['nonzero_bytes']} non-zero bytes in {r['mib']} MiB")
+    print(f"bits negotiated: 6={features[6:7]} 7={features[7:8]}; warnings: {warnings[:3]}; "
+          f"elapsed {time.monotonic() - t0:.0f} s")
+    return Outcome(features, events, populates, warnings, rc, info, dst.tail(30))
+
+
+def assert_destination_reads_zero(out: Outcome) -> None:
+    assert out.rc == 0, out.console_tail
+    assert set(out.populates) == {"dst-4k", "dst-thp"}, out.populates
     # the debug kernel (CONFIG_DEBUG_PAGE_ZEROED) checks every page it hands
     # out as known zero: a stale one is a warning (and gets cleared)
-    assert not warnings, warnings
-    assert records["dst-4k"]["nonzero_bytes"] == 0, records["dst-4k"]
-    assert records["dst-thp"]["nonzero_bytes"] == 0, records["dst-thp"]
+    assert not out.warnings, out.warnings
+    for tag in ("dst-4k", "dst-thp"):
+        assert out.populates[tag]["nonzero_bytes"] == 0, out.populates[tag]
+
+
+def test_reported_pages_read_zero_on_the_destination(tmp_path: Path) -> None:
+    out = migrate_while_freeing(tmp_path, Plan(), report=True,
+                                device_init_reported=BASELINE != "stock")
+    assert_destination_reads_zero(out)
     if BASELINE != "stock":  # the baseline guest trusts reports without the bit
-        assert len(features) > BALLOON_BIT_DEVICE_INIT_REPORTED, features
-        assert features[BALLOON_BIT_DEVICE_INIT_REPORTED] == "1", \
-            f"bit 6 not negotiated ({features}): nothing is known zero, the test proves nothing"
-    assert marked > 0, "reporting marked no page zero: the test would prove nothing"
+        assert out.bit(BALLOON_BIT_DEVICE_INIT_REPORTED), \
+            f"bit 6 not negotiated ({out.features}): nothing is known zero, the test proves nothing"
+    assert out.events["freed"]["marked_reported"] > 0, \
+        "reporting marked no page zero: the test would prove nothing"
+
+
+@pytest.mark.skipif(BASELINE == "stock", reason="stock QEMU does not offer bit 7")
+def test_deflated_pages_read_zero_on_the_destination(tmp_path: Path) -> None:
+    plan = Plan()
+    out = migrate_while_freeing(tmp_path, plan, report=False, inflate_mib=plan.fill_mib - 100,
+                                device_init_on_inflate=True)
+    assert_destination_reads_zero(out)
+    assert out.bit(BALLOON_BIT_DEVICE_INIT_ON_INFLATE), \
+        f"bit 7 not negotiated ({out.features}): nothing is known zero, the test proves nothing"
+    assert out.events["verify"]["marked_freed"] > 0, \
+        "no deflated page was freed as zero: the test would prove nothing"
