@@ -292,10 +292,34 @@ def _build_locked(shell: Shell, series: Series, out: Path, binary: Path, key: st
         return BuiltQemu(out, binary, key)
     if not binary.exists():
         raise LabError(f"QEMU build produced no {binary}")
+    # release tarballs do not build with -Werror: hold the series to it
+    warned = series_warnings((out / "build.log").read_text(errors="replace"),
+                             patched_files(series))
+    if warned:
+        raise LabError("QEMU build: warnings in files the series touches:\n  "
+                       + "\n  ".join(warned[:10]))
     elapsed = time.monotonic() - start
     (out / ".freepage-done").write_text(f"{elapsed:.1f}\n")
     print(f"build qemu: done in {elapsed:.0f} s ({binary})", flush=True)
     return BuiltQemu(out, binary, key)
+
+
+def patched_files(series: Series) -> set[str]:
+    """Source files a series changes (from the patches' +++ lines)."""
+    files = set()
+    for patch in series.files:
+        files.update(re.findall(r"^\+\+\+ b/(\S+)", patch.read_text(errors="replace"), re.M))
+    return files
+
+
+def series_warnings(log: str, files: set[str]) -> list[str]:
+    """Compiler warnings in a build log that point into `files` ("../hw/x.c:12:3: warning")."""
+    out = []
+    for line in log.splitlines():
+        m = re.match(r"^(?:\.\./)?(\S+?):\d+:(?:\d+:)? warning:", line)
+        if m and m.group(1) in files:
+            out.append(line)
+    return out
 
 
 def build_stage(shell: Shell) -> tuple[StageResult, BuiltQemu | None]:

@@ -69,3 +69,14 @@ def test_series_lists_the_queue_in_order():
     assert series.names, "qemu/patches/series is empty"
     assert all(n[:4].isdigit() for n in series.names)
     assert "0000-cover-letter.patch" not in series.names
+
+
+def test_warnings_in_files_the_series_touches_are_found(tmp_path):
+    patch = tmp_path / "0001-x.patch"
+    patch.write_text("--- a/hw/virtio/virtio-balloon.c\n+++ b/hw/virtio/virtio-balloon.c\n@@\n")
+    files = qemu.patched_files(Series(tmp_path, ("0001-x.patch",)))
+    assert files == {"hw/virtio/virtio-balloon.c"}
+    log = ("../hw/virtio/virtio-balloon.c:108:13: warning: implicit declaration of function\n"
+           "../hw/usb/dev-hid.c:10:1: warning: something upstream\n"
+           "../hw/virtio/virtio-balloon.c:108:13: note: a note\n")
+    assert qemu.series_warnings(log, files) == [log.splitlines()[0]]
