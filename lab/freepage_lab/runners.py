@@ -124,8 +124,6 @@ def kvm_usable() -> tuple[bool, str]:
 
 # Debian's qemu-system-x86 (bookworm-backports: QEMU 10.0), found on PATH
 STOCK_QEMU = Path("qemu-system-x86_64")
-# firmware (SeaBIOS, option ROMs) for a QEMU built from the +ds tarball
-QEMU_FIRMWARE = Path("/usr/share/qemu")
 # virtio-balloon's queues the vhost-user device carries: inflate, deflate,
 # stats, reporting (no free page hint); config: num_pages, actual,
 # free_page_hint_cmd_id, poison_val
@@ -137,7 +135,7 @@ class QemuRunner(Runner):
     """QEMU x86_64, TCG unless hardware KVM really works.
 
     `binary`: Debian's QEMU (the stock baseline) or a build of qemu/patches
-    (freepage variants; its firmware comes from Debian's package).
+    (freepage variants; configured to use Debian's firmware).
     """
 
     name = "qemu"
@@ -170,8 +168,6 @@ class QemuRunner(Runner):
                 "-m", f"{cfg.mem_mib}M", "-kernel", str(cfg.kernel), "-initrd", str(cfg.initrd),
                 "-append", append, "-display", "none", "-monitor", "none",
                 "-serial", "stdio", "-no-reboot", "-nodefaults"]
-        if self.binary != STOCK_QEMU:
-            argv += ["-L", str(QEMU_FIRMWARE)]
         if cfg.vhost_user_balloon is not None:
             argv += self.vhost_user_balloon_args(cfg)
         elif cfg.balloon:
