@@ -39,9 +39,6 @@ CONFIGURE_FLAGS = (
     "--disable-guest-agent",
     # PATH may hold another python (pyenv); meson's venv wants Debian's
     "--python=/usr/bin/python3",
-    # the +ds tarball has no firmware: use Debian's (SeaBIOS, iPXE, option
-    # ROMs), where Debian's own build looks for it
-    "--firmwarepath=/usr/share/qemu:/usr/share/seabios:/usr/lib/ipxe/qemu",
 )
 
 BINARY_NAME = "qemu-system-x86_64"

@@ -124,6 +124,11 @@ def kvm_usable() -> tuple[bool, str]:
 
 # Debian's qemu-system-x86 (bookworm-backports: QEMU 10.0), found on PATH
 STOCK_QEMU = Path("qemu-system-x86_64")
+# A QEMU built from the +ds tarball has no firmware: it runs with Debian's
+# (option ROMs, SeaBIOS, iPXE), given with -L (a configured --firmwarepath
+# would be relocated into the build's qemu-bundle/)
+QEMU_FIRMWARE_DIRS = (Path("/usr/share/qemu"), Path("/usr/share/seabios"),
+                      Path("/usr/lib/ipxe/qemu"))
 # virtio-balloon's queues the vhost-user device carries: inflate, deflate,
 # stats, reporting (no free page hint); config: num_pages, actual,
 # free_page_hint_cmd_id, poison_val
@@ -135,7 +140,7 @@ class QemuRunner(Runner):
     """QEMU x86_64, TCG unless hardware KVM really works.
 
     `binary`: Debian's QEMU (the stock baseline) or a build of qemu/patches
-    (freepage variants; configured to use Debian's firmware).
+    (freepage variants; given Debian's firmware directories with -L).
     """
 
     name = "qemu"
@@ -168,6 +173,9 @@ class QemuRunner(Runner):
                 "-m", f"{cfg.mem_mib}M", "-kernel", str(cfg.kernel), "-initrd", str(cfg.initrd),
                 "-append", append, "-display", "none", "-monitor", "none",
                 "-serial", "stdio", "-no-reboot", "-nodefaults"]
+        if self.binary != STOCK_QEMU:
+            for d in QEMU_FIRMWARE_DIRS:
+                argv += ["-L", str(d)]
         if cfg.vhost_user_balloon is not None:
             argv += self.vhost_user_balloon_args(cfg)
         elif cfg.balloon:

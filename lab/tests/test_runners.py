@@ -56,15 +56,18 @@ def test_auto_accel_is_tcg_without_hardware_kvm(monkeypatch):
     assert "no /dev/kvm" in r.accel_reason
 
 
-def test_qemu_stock_binary_is_found_on_path():
+def test_qemu_stock_binary_is_found_on_path_and_needs_no_firmware_dirs():
     argv = QemuRunner(Shell(), accel="tcg").argv(cfg())
     assert argv[0] == str(runners.STOCK_QEMU) == "qemu-system-x86_64"
+    assert "-L" not in argv
 
 
-def test_qemu_patched_binary_with_init_bits():
+def test_qemu_patched_binary_takes_debian_firmware_and_init_bits():
     r = QemuRunner(Shell(), accel="tcg", binary=Path("/cache/qemu/build/qemu-system-x86_64"))
     argv = r.argv(cfg(device_init_reported=True, device_init_on_inflate=True))
     assert argv[0] == "/cache/qemu/build/qemu-system-x86_64"
+    dirs = [argv[i + 1] for i, a in enumerate(argv) if a == "-L"]
+    assert dirs == ["/usr/share/qemu", "/usr/share/seabios", "/usr/lib/ipxe/qemu"]
     assert ("virtio-balloon-pci,id=balloon0,free-page-reporting=on,device-init-reported=on,"
             "device-init-on-inflate=on") in argv
 
