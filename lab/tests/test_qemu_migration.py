@@ -9,8 +9,12 @@ already holds with the old contents.  After the switchover, verified
 populates on the destination (4k and THP) must read zeroes only: the pages
 the guest now believes zero must have been sent again as zeroes.
 
-The guest's own checks keep the test from passing vacuously: bit 6 must be
-negotiated and reporting must have marked pages zero.
+The destination starts paused (-S), so the host can compare its RAM with
+the source's before it runs: the two must be identical, page for page (a
+discarded page the destination did not get again differs).  Then the guest
+runs and must find zeroes.  The guest's own checks keep the test from
+passing vacuously: bit 6 must be negotiated and reporting must have marked
+pages zero.
 
 The same for the balloon (bit 7, VIRTIO_BALLOON_F_DEVICE_INIT_ON_INFLATE,
 proposed, not allocated): the host inflates the balloon over the freed data
@@ -29,6 +33,7 @@ Baselines, expected to fail (FREEPAGE_MIGRATION_BASELINE=...):
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import time
@@ -54,6 +59,11 @@ MIB = 1 << 20
 BALLOON_BIT_DEVICE_INIT_REPORTED = 6
 BALLOON_BIT_DEVICE_INIT_ON_INFLATE = 7
 BASELINE = os.environ.get("FREEPAGE_MIGRATION_BASELINE", "")
+DMESG = "FREEPAGE-DMESG"
+# The debug kernel (CONFIG_DEBUG_PAGE_ZEROED) reads every page it hands out
+# as known zero and warns once about a stale one (then clears it).  Its
+# KUnit suite would use that one warning up at boot: no KUnit here.
+CMDLINE = ["kunit.enable=0"]
 
 
 @dataclass
@@ -101,6 +111,9 @@ def guest_script(p: Plan, report: bool = True) -> str:
         # exit 1 = non-zero bytes: the host reads the count from the JSON line
         f"populate --mib {p.verify_mib} --mode 4k --verify --tag dst-4k || [ $? -eq 1 ]",
         f"populate --mib {p.verify_mib} --mode thp --verify --tag dst-thp || [ $? -eq 1 ]",
+        f"echo \"{EVENT} vmstat $(grep -E '^pgzero_' /proc/vmstat | tr ' \\n' '= ')\"",
+        # warnings print below the console's loglevel: show them from the log
+        f"dmesg | grep -E 'WARNING:|BUG:|page_zeroed:' | sed 's/^/{DMESG} /' || true",
     ]) + "\n"
 
 
@@ -118,8 +131,36 @@ def wait_migration(qmp: Qmp, done: object, timeout: float) -> dict:
 
 
 def kernel_warnings(g: Guest) -> list[str]:
+    """Kernel warnings: from the console, and the guest's own dmesg dump."""
     booted = next((i for i, ln in enumerate(g.lines) if ln.text.startswith(BOOTED)), 0)
-    return [ln.text for ln in g.lines[booted:] if re.search(r"WARNING|BUG", ln.text)]
+    return [ln.text for ln in g.lines[booted:]
+            if ln.text.startswith(DMESG) or re.search(r"WARNING:|BUG:", ln.text)]
+
+
+def differing_pages(a: Path, b: Path, limit: int = 5) -> tuple[int, list[int]]:
+    """4 KiB pages in which two guest memory dumps differ (count, first GPAs)."""
+    count, first = 0, []
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        ma = mmap.mmap(fa.fileno(), 0, access=mmap.ACCESS_READ)
+        mb = mmap.mmap(fb.fileno(), 0, access=mmap.ACCESS_READ)
+        assert len(ma) == len(mb), (len(ma), len(mb))
+        chunk = 1 << 24
+        for off in range(0, len(ma), chunk):
+            if ma[off:off + chunk] == mb[off:off + chunk]:
+                continue
+            for page in range(off, min(off + chunk, len(ma)), 4096):
+                if ma[page:page + 4096] != mb[page:page + 4096]:
+                    count += 1
+                    if len(first) < limit:
+                        first.append(page)
+        ma.close()
+        mb.close()
+    return count, first
+
+
+def dump(qmp: Qmp, mib: int, path: Path) -> Path:
+    qmp.execute("pmemsave", val=0, size=mib * MIB, filename=str(path))
+    return path
 
 
 def qemu_binary(shell: Shell) -> Path:
@@ -155,6 +196,7 @@ class Outcome:
     rc: int
     migration: dict
     console_tail: str
+    differing_pages: int
 
     def bit(self, n: int) -> bool:
         return len(self.features) > n and self.features[n] == "1"
@@ -166,14 +208,16 @@ def migrate_while_freeing(tmp_path: Path, plan: Plan, report: bool,
     shell = Shell()
     ctx = RunContext(shell=shell, run_dir=tmp_path, platform="qemu", accel="tcg", patched=True)
     runner = QemuRunner(shell, "tcg", qemu_binary(shell))
-    cmdline = ["virtio_balloon.assume_reported_zero=1"] if BASELINE == "stock" and report else []
+    cmdline = CMDLINE + (["virtio_balloon.assume_reported_zero=1"]
+                         if BASELINE == "stock" and report else [])
     initrd = ctx.initrd("migrate-zero", guest_script(plan, report))
     port = free_port()
     common = dict(kernel=ctx.kernel(), initrd=initrd, mem_mib=plan.mem_mib, cmdline=cmdline,
                   free_page_reporting=report, **device)
     src_cfg = GuestConfig(**common, qmp_socket=tmp_path / "src.qmp")  # type: ignore[arg-type]
+    # -S: the destination stays paused after the migration, for the compare
     dst_cfg = GuestConfig(**common, qmp_socket=tmp_path / "dst.qmp",  # type: ignore[arg-type]
-                          incoming=f"tcp:127.0.0.1:{port}")
+                          incoming=f"tcp:127.0.0.1:{port}", extra_args=["-S"])
     src = runner.guest("src", src_cfg, ctx.log("src"), interactive=True)
     dst = runner.guest("dst", dst_cfg, ctx.log("dst"), interactive=True)
     t0 = time.monotonic()
@@ -205,6 +249,15 @@ def migrate_while_freeing(tmp_path: Path, plan: Plan, report: bool,
                 print(f"[{time.monotonic() - t0:5.0f} s] inflated {inflate_mib} MiB", flush=True)
             qs.execute("migrate-set-parameters", **{"downtime-limit": 2000})
             info = wait_migration(qs, lambda i: i.get("status") == "completed", 240)
+            wait_migration(qd, lambda i: i.get("status") == "completed", 60)
+            # both stopped: the destination must hold what the source holds
+            differ, where = differing_pages(dump(qs, plan.mem_mib, tmp_path / "src.mem"),
+                                            dump(qd, plan.mem_mib, tmp_path / "dst.mem"))
+            for name in ("src.mem", "dst.mem"):
+                (tmp_path / name).unlink()
+            print(f"[{time.monotonic() - t0:5.0f} s] {differ} pages differ between source and "
+                  f"destination (first at {', '.join(hex(g) for g in where) or '-'})", flush=True)
+            qd.execute("cont")
             deadline = time.monotonic() + 30
             while (qd.execute("query-status") or {}).get("status") != "running":  # type: ignore[union-attr]
                 assert time.monotonic() < deadline, "destination did not resume"
@@ -221,21 +274,23 @@ def migrate_while_freeing(tmp_path: Path, plan: Plan, report: bool,
             qd.close()
         dst.send("verify")
         event(dst, "verify", 60)
-        rc = dst.wait_exit(300)
+        event(dst, "vmstat", 300)
+        rc = dst.wait_exit(60)
         populates = {r["tag"]: r for r in dst.json_records("populate")}
         warnings = kernel_warnings(src) + kernel_warnings(dst)
     for tag, r in populates.items():
         print(f"{tag}: {r['nonzero_bytes']} non-zero bytes in {r['mib']} MiB")
     print(f"bits negotiated: 6={features[6:7]} 7={features[7:8]}; warnings: {warnings[:3]}; "
           f"elapsed {time.monotonic() - t0:.0f} s")
-    return Outcome(features, events, populates, warnings, rc, info, dst.tail(30))
+    return Outcome(features, events, populates, warnings, rc, info, dst.tail(30), differ)
 
 
 def assert_destination_reads_zero(out: Outcome) -> None:
+    assert out.differing_pages == 0, \
+        f"the destination's RAM differs from the source's in {out.differing_pages} pages"
     assert out.rc == 0, out.console_tail
     assert set(out.populates) == {"dst-4k", "dst-thp"}, out.populates
-    # the debug kernel (CONFIG_DEBUG_PAGE_ZEROED) checks every page it hands
-    # out as known zero: a stale one is a warning (and gets cleared)
+    # a stale page the debug kernel caught (and cleared) is a warning
     assert not out.warnings, out.warnings
     for tag in ("dst-4k", "dst-thp"):
         assert out.populates[tag]["nonzero_bytes"] == 0, out.populates[tag]
