@@ -35,7 +35,9 @@ def guest_script() -> str:
     return "\n".join([
         "echo 1000 > /proc/sys/vm/percpu_pagelist_high_fraction",
         f"mount -o remount,size={FREED_MIB + 64}m /tmp",
-        f"tr '\\000' '\\245' < /dev/zero | head -c $(({FREED_MIB} * 1048576)) > /tmp/fill",
+        "head -c 8388608 /dev/zero | tr '\\000' '\\245' > /tmp/chunk",
+        f"cat $(yes /tmp/chunk | head -n {FREED_MIB // 8}) > /tmp/fill",
+        "rm /tmp/chunk",
         f"echo \"{EVENT} filled\"",
         "read go",
         "rm /tmp/fill",
