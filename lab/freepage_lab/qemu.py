@@ -101,9 +101,10 @@ def base_tree(shell: Shell) -> Path:
     if marker.exists() and marker.read_text().strip() == BASE_VERSION:
         return tree
     src = tarball(shell)
-    if tree.exists() and not shell.dry_run:
-        shutil.rmtree(tree)
-    tree.parent.mkdir(parents=True, exist_ok=True)
+    if not shell.dry_run:
+        if tree.exists():
+            shutil.rmtree(tree)
+        tree.parent.mkdir(parents=True, exist_ok=True)
     shell.run(["tar", "--no-same-owner", "-C", tree.parent, "-xf", src],
               what="extract QEMU source")
     if shell.dry_run:
