@@ -23,7 +23,7 @@ use vmm_sys_util::event::{
 };
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::discard::Discarder;
+use crate::discard::{treat_range, Discarder, GuestMem, Treatment};
 use crate::metrics::{add, Metrics};
 use crate::ranges::{self, BalloonConfig, GuestRange, Plan, RegionInfo, RejectReason, Stat};
 use crate::shim::BackendChannel;
@@ -95,8 +95,9 @@ pub struct DeviceFeatures {
     pub page_poison: bool,
     /// Offer VIRTIO_BALLOON_F_REPORTING.
     pub reporting: bool,
-    /// Offer the freepage bits 6 and 7 (only if the discarder leaves zeroes).
-    pub zero_bits: bool,
+    /// Offer the proposed bits 6 (DEVICE_INIT_REPORTED) and 7
+    /// (DEVICE_INIT_ON_INFLATE), if the discarder releases memory.
+    pub init_bits: bool,
     /// Offer VHOST_USER_PROTOCOL_F_BACKEND_REQ (config change notifications).
     pub backend_req: bool,
 }
@@ -109,15 +110,17 @@ impl Default for DeviceFeatures {
             deflate_on_oom: true,
             page_poison: true,
             reporting: true,
-            zero_bits: true,
+            init_bits: true,
             backend_req: true,
         }
     }
 }
 
 impl DeviceFeatures {
-    /// Virtio feature bits offered on GET_FEATURES.
-    pub fn virtio_features(&self, discarder_leaves_zeroes: bool) -> u64 {
+    /// Virtio feature bits offered on GET_FEATURES. Bits 6 and 7 need a
+    /// discarder that releases memory (`--discard none` keeps every page
+    /// as it is, so it does not offer them).
+    pub fn virtio_features(&self, releases_memory: bool) -> u64 {
         let mut f = bit(spec::F_VERSION_1) | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
         let mut set = |on: bool, b: u32| {
             if on {
@@ -129,9 +132,9 @@ impl DeviceFeatures {
         set(self.deflate_on_oom, spec::F_DEFLATE_ON_OOM);
         set(self.page_poison, spec::F_PAGE_POISON);
         set(self.reporting, spec::F_REPORTING);
-        let zero = self.zero_bits && discarder_leaves_zeroes;
-        set(zero && self.reporting, spec::F_REPORTED_READS_ZERO);
-        set(zero, spec::F_DEFLATED_READS_ZERO);
+        let init = self.init_bits && releases_memory;
+        set(init && self.reporting, spec::F_DEVICE_INIT_REPORTED);
+        set(init, spec::F_DEVICE_INIT_ON_INFLATE);
         f
     }
 
@@ -248,17 +251,28 @@ impl DeviceState {
         self.lock().connected
     }
 
-    /// Whether the zero guarantees of bits 6/7 are in force right now: the
-    /// bit was negotiated and PAGE_POISON is not in use with a non-zero
-    /// poison value.
-    pub fn zero_guarantees(&self) -> (bool, bool) {
+    /// Whether the device initializes reported pages (bit 6 negotiated) and
+    /// inflated pages (bit 7 negotiated and no non-zero `poison_val`: then
+    /// inflated pages are released and left out of the bitmap).
+    pub fn init_guarantees(&self) -> (bool, bool) {
         let g = self.lock();
         let f = g.acked_features;
         let poisoned = has(f, spec::F_PAGE_POISON) && g.config.poison_val != 0;
         (
-            has(f, spec::F_REPORTED_READS_ZERO) && !poisoned,
-            has(f, spec::F_DEFLATED_READS_ZERO),
+            has(f, spec::F_DEVICE_INIT_REPORTED),
+            has(f, spec::F_DEVICE_INIT_ON_INFLATE) && !poisoned,
         )
+    }
+
+    /// The value pages are initialized to: `poison_val` when PAGE_POISON
+    /// is negotiated, zero otherwise.
+    pub fn init_pattern(&self) -> u32 {
+        let g = self.lock();
+        if has(g.acked_features, spec::F_PAGE_POISON) {
+            g.config.poison_val
+        } else {
+            0
+        }
     }
 
     /// Sets the balloon target and tells the frontend (config change
@@ -393,6 +407,45 @@ fn read_chain(
     Ok(out)
 }
 
+/// Total length of the device-writable descriptors of a chain.
+fn writable_len(chain: &DescriptorChain<Mem>) -> u64 {
+    chain
+        .clone()
+        .filter(|d| d.is_write_only())
+        .map(|d| u64::from(d.len()))
+        .sum()
+}
+
+/// Writes `data` into the device-writable descriptors of a chain, in order.
+/// The caller checked that they are long enough.
+fn write_chain(
+    chain: &DescriptorChain<Mem>,
+    mem: &GuestMemoryMmap,
+    data: &[u8],
+) -> Result<(), BackendError> {
+    let mut rest = data;
+    for desc in chain.clone().filter(|d| d.is_write_only()) {
+        if rest.is_empty() {
+            break;
+        }
+        let n = usize::try_from(desc.len())
+            .unwrap_or(usize::MAX)
+            .min(rest.len());
+        mem.write_slice(&rest[..n], desc.addr()).map_err(|e| {
+            BackendError::BadChain(format!("descriptor {:#x}+{n}: {e}", desc.addr().0))
+        })?;
+        rest = &rest[n..];
+    }
+    if rest.is_empty() {
+        Ok(())
+    } else {
+        Err(BackendError::BadChain(format!(
+            "{} bytes did not fit in the writable descriptors",
+            rest.len()
+        )))
+    }
+}
+
 /// The guest memory regions as validation input.
 pub fn region_infos(mem: &GuestMemoryMmap) -> Vec<RegionInfo> {
     mem.iter()
@@ -410,7 +463,7 @@ impl BalloonBackend {
         discarder: Arc<dyn Discarder>,
         features: DeviceFeatures,
     ) -> Self {
-        let virtio = features.virtio_features(discarder.leaves_zeroes());
+        let virtio = features.virtio_features(discarder.releases_memory());
         state.connection_started(virtio);
         Self {
             inner: Arc::new(Inner {
@@ -445,23 +498,28 @@ impl BalloonBackend {
         }
     }
 
-    fn discard_ranges(&self, mem: &GuestMemoryMmap, plan: &Plan, zero_fill: bool) {
+    /// Applies `t` to every valid range of `plan`; returns the parts that
+    /// `t` promised to initialize and that could not be.
+    fn treat_ranges(&self, mem: &GuestMem, plan: &Plan, t: Treatment) -> Vec<GuestRange> {
         let m = self.metrics();
+        let mut uninitialized = Vec::new();
         for (_, r) in &plan.ranges {
-            let t = Instant::now();
-            match self.inner.discarder.discard(mem, *r, zero_fill) {
-                Ok(o) => {
-                    add(&m.discarded_bytes, o.discarded);
-                    add(&m.zero_filled_bytes, o.zero_filled);
-                    add(&m.partial_page_skipped_bytes, o.skipped);
-                }
-                Err(e) => {
-                    add(&m.discard_errors, 1);
-                    warn!("discard failed: {e}");
-                }
+            let t0 = Instant::now();
+            let (o, err) = treat_range(self.inner.discarder.as_ref(), mem, *r, t);
+            m.record_discard_latency(t0.elapsed());
+            if let Some(e) = err {
+                warn!("range {:#x}+{:#x}: {e}", r.gpa, r.len);
             }
-            m.record_discard_latency(t.elapsed());
+            add(&m.discarded_bytes, o.discarded);
+            add(&m.zero_filled_bytes, o.zero_filled);
+            add(&m.poison_filled_bytes, o.pattern_filled);
+            add(&m.partial_page_skipped_bytes, o.skipped);
+            add(&m.discard_errors, o.discard_errors);
+            add(&m.fill_errors, o.fill_errors);
+            add(&m.uninitialized_bytes, o.uninitialized_bytes());
+            uninitialized.extend(o.uninitialized);
         }
+        uninitialized
     }
 
     /// Pops every available chain, lets `f` handle it, returns the ones `f`
@@ -487,21 +545,76 @@ impl BalloonBackend {
     }
 
     /// inflateq: PFNs of pages the guest gives up. They are discarded on the
-    /// host (coalesced into ranges first).
+    /// host (coalesced into ranges first). Under bit 7 the chain ends with a
+    /// device-writable bitmap that tells the driver which pages were
+    /// initialized (zeroed); with a non-zero `poison_val` the pages are still
+    /// released but none is reported initialized (filling them would keep
+    /// the memory the balloon is meant to give back).
     pub fn process_inflate(&self, vring: &VringRwLock<GM>) -> Result<(), BackendError> {
-        let zero = has(self.acked(), spec::F_DEFLATED_READS_ZERO);
+        let bitmap = has(self.acked(), spec::F_DEVICE_INIT_ON_INFLATE);
+        let zeroed = bitmap && self.inner.state.init_pattern() == 0;
+        let t = if zeroed {
+            Treatment::ReleaseZeroed
+        } else {
+            Treatment::Release
+        };
         self.drain_queue(vring, |mem, chain| {
-            self.handle_pfn_chain(mem, &chain, true, zero);
-            Some(0)
+            let done = self.handle_pfn_chain(mem, &chain, true, t);
+            if !bitmap {
+                return Some(0);
+            }
+            Some(self.write_inflate_bitmap(mem, &chain, done, zeroed))
         })
     }
 
+    /// Writes the bit 7 bitmap of an inflate chain; returns the used length.
+    fn write_inflate_bitmap(
+        &self,
+        mem: &GuestMemoryMmap,
+        chain: &DescriptorChain<Mem>,
+        done: Option<PfnChain>,
+        zeroed: bool,
+    ) -> u32 {
+        let m = self.metrics();
+        let Some(done) = done else {
+            // unreadable chain: no PFNs known, nothing to report
+            add(&m.inflate_bitmap_errors, 1);
+            return 0;
+        };
+        let map = if zeroed {
+            ranges::inflate_bitmap(&done.pfns, &region_infos(mem), &done.uninitialized)
+        } else {
+            vec![0u8; spec::inflate_bitmap_len(done.pfns.len())]
+        };
+        let set: u32 = map.iter().map(|b| b.count_ones()).sum();
+        let len = u32::try_from(map.len()).unwrap_or(u32::MAX);
+        if writable_len(chain) < u64::from(len) {
+            add(&m.inflate_bitmap_errors, 1);
+            add(&m.pfns_not_initialized, done.pfns.len() as u64);
+            warn!(
+                "inflate: chain has no room for the {len}-byte bitmap of {} PFNs",
+                done.pfns.len()
+            );
+            return 0;
+        }
+        if let Err(e) = write_chain(chain, mem, &map) {
+            add(&m.inflate_bitmap_errors, 1);
+            add(&m.pfns_not_initialized, done.pfns.len() as u64);
+            warn!("inflate: {e}");
+            return 0;
+        }
+        add(
+            &m.pfns_not_initialized,
+            done.pfns.len() as u64 - u64::from(set),
+        );
+        len
+    }
+
     /// deflateq: PFNs the guest takes back. Nothing to do on the host: the
-    /// pages were discarded on inflate and fault back in (as zeroes) on
-    /// first touch, which is what bit 7 promises.
+    /// pages were discarded on inflate and fault back in on first touch.
     pub fn process_deflate(&self, vring: &VringRwLock<GM>) -> Result<(), BackendError> {
         self.drain_queue(vring, |mem, chain| {
-            self.handle_pfn_chain(mem, &chain, false, false);
+            self.handle_pfn_chain(mem, &chain, false, Treatment::Release);
             Some(0)
         })
     }
@@ -511,39 +624,40 @@ impl BalloonBackend {
         mem: &GuestMemoryMmap,
         chain: &DescriptorChain<Mem>,
         inflate: bool,
-        zero: bool,
-    ) {
+        t: Treatment,
+    ) -> Option<PfnChain> {
         let m = self.metrics();
         let what = if inflate { "inflate" } else { "deflate" };
-        let bytes = match read_chain(chain, mem, MAX_PFN_BYTES) {
-            Ok(b) => b,
-            Err(e) => {
-                m.reject(RejectReason::Malformed);
-                warn!("{what}: {e}");
-                return;
-            }
-        };
-        match ranges::plan_pfn_buffer(&bytes, &region_infos(mem)) {
-            Err(e) => {
-                m.reject(RejectReason::Malformed);
-                warn!("{what}: {e}");
-            }
-            Ok((plan, n)) => {
-                let n = n as u64;
-                if inflate {
-                    add(&m.inflate_requests, 1);
-                    add(&m.inflated_pages, n);
-                } else {
-                    add(&m.deflate_requests, 1);
-                    add(&m.deflated_pages, n);
+        let pfns =
+            match read_chain(chain, mem, MAX_PFN_BYTES).and_then(|b| Ok(ranges::parse_pfns(&b)?)) {
+                Ok(p) => p,
+                Err(e) => {
+                    m.reject(RejectReason::Malformed);
+                    warn!("{what}: {e}");
+                    return None;
                 }
-                debug!("{what}: {n} pages in {} ranges", plan.ranges.len());
-                self.count_rejects(&plan, what);
-                if inflate {
-                    self.discard_ranges(mem, &plan, zero);
-                }
-            }
+            };
+        let regions = region_infos(mem);
+        let plan = ranges::plan(&ranges::pfns_to_ranges(&pfns), &regions, PAGE_SIZE);
+        let n = pfns.len() as u64;
+        if inflate {
+            add(&m.inflate_requests, 1);
+            add(&m.inflated_pages, n);
+        } else {
+            add(&m.deflate_requests, 1);
+            add(&m.deflated_pages, n);
         }
+        debug!("{what}: {n} pages in {} ranges", plan.ranges.len());
+        self.count_rejects(&plan, what);
+        let uninitialized = if inflate {
+            self.treat_ranges(mem, &plan, t)
+        } else {
+            Vec::new()
+        };
+        Some(PfnChain {
+            pfns,
+            uninitialized,
+        })
     }
 
     /// statsq: keep the latest statistics and hold the buffer; it is given
@@ -625,13 +739,23 @@ impl BalloonBackend {
     }
 
     /// reporting_vq: every descriptor is a free guest range; discard it and
-    /// acknowledge the chain.
+    /// return the chain. Under bit 6 the device initializes every page
+    /// (discard, and zero-fill what could not be discarded; or fill with
+    /// `poison_val` under PAGE_POISON) and returns used length = total length
+    /// only when all of it was initialized, 0 otherwise.
     pub fn process_reporting(&self, vring: &VringRwLock<GM>) -> Result<(), BackendError> {
-        let acked = self.acked();
-        let poison = has(acked, spec::F_PAGE_POISON) && self.inner.state.config().poison_val != 0;
-        let zero = has(acked, spec::F_REPORTED_READS_ZERO);
+        let init = has(self.acked(), spec::F_DEVICE_INIT_REPORTED);
+        let pattern = self.inner.state.init_pattern();
+        // None: keep the pages as they are
+        let t = match (init, pattern) {
+            (true, 0) => Some(Treatment::ReleaseZeroed),
+            (true, p) => Some(Treatment::Fill(p)),
+            (false, 0) => Some(Treatment::Release),
+            (false, _) => None,
+        };
         self.drain_queue(vring, |mem, chain| {
             let m = self.metrics();
+            let lens: Vec<u32> = chain.clone().map(|d| d.len()).collect();
             let descs: Vec<GuestRange> = chain
                 .clone()
                 .take(MAX_REPORT_DESCS)
@@ -642,17 +766,37 @@ impl BalloonBackend {
             let plan = ranges::plan(&descs, &region_infos(mem), PAGE_SIZE);
             self.count_rejects(&plan, "report");
             add(&m.reported_bytes, plan.valid_bytes());
-            if poison {
-                // virtio 1.2 5.5.6.7: with PAGE_POISON negotiated the device
-                // must not change reported pages to anything but poison_val;
-                // discarding would make them zero, so keep them.
-                add(&m.poison_skipped_bytes, plan.valid_bytes());
-            } else {
-                self.discard_ranges(mem, &plan, zero);
+            let uninitialized = match t {
+                Some(t) => self.treat_ranges(mem, &plan, t),
+                None => {
+                    // virtio 1.2 5.5.6.7: with PAGE_POISON negotiated the
+                    // device must not change reported pages to anything but
+                    // poison_val; discarding would make them zero.
+                    add(&m.poison_skipped_bytes, plan.valid_bytes());
+                    Vec::new()
+                }
+            };
+            if !init {
+                return Some(0);
             }
-            Some(0)
+            let all =
+                plan.rejects.is_empty() && uninitialized.is_empty() && descs.len() == lens.len();
+            let used = ranges::report_used_len(&lens, all);
+            if used == 0 {
+                add(&m.reports_not_initialized, 1);
+                debug!("report not initialized (rejected or failed ranges)");
+            }
+            Some(used)
         })
     }
+}
+
+/// What the PFN handler learnt about a chain.
+struct PfnChain {
+    /// The PFNs, in chain order.
+    pfns: Vec<u32>,
+    /// Parts that the treatment promised to initialize and could not.
+    uninitialized: Vec<GuestRange>,
 }
 
 impl VhostUserBackend for BalloonBackend {
@@ -715,14 +859,16 @@ impl VhostUserBackend for BalloonBackend {
                 if c.poison_val != g.config.poison_val {
                     info!("guest set poison_val {:#x}", c.poison_val);
                     let f = g.acked_features;
-                    if c.poison_val != 0
-                        && has(f, spec::F_PAGE_POISON)
-                        && has(f, spec::F_REPORTED_READS_ZERO)
-                    {
-                        warn!(
-                            "guest negotiated REPORTED_READS_ZERO and PAGE_POISON with poison_val {:#x}: \
-                             reported pages will be kept, not discarded",
-                            c.poison_val
+                    if c.poison_val != 0 && has(f, spec::F_PAGE_POISON) {
+                        info!(
+                            "PAGE_POISON with poison_val {:#x}: reported pages are {}, \
+                             inflated pages are released but not reported initialized",
+                            c.poison_val,
+                            if has(f, spec::F_DEVICE_INIT_REPORTED) {
+                                "filled with it"
+                            } else {
+                                "kept"
+                            }
                         );
                     }
                 }

@@ -215,6 +215,48 @@ pub fn plan_pfn_buffer(bytes: &[u8], regions: &[RegionInfo]) -> Result<(Plan, us
     Ok((plan(&ranges, regions, PAGE_SIZE), pfns.len()))
 }
 
+/// The inflate bitmap of a chain under `F_DEVICE_INIT_ON_INFLATE`: bit N
+/// (LSB first within byte N / 8) is set when PFN N (index in the chain's
+/// array) is a valid page of guest memory and no part of it lies in
+/// `uninitialized`, the ranges the device could not initialize. Duplicate
+/// PFNs get the same answer.
+pub fn inflate_bitmap(
+    pfns: &[u32],
+    regions: &[RegionInfo],
+    uninitialized: &[GuestRange],
+) -> Vec<u8> {
+    let mut out = vec![0u8; spec::inflate_bitmap_len(pfns.len())];
+    for (i, page) in pfns_to_ranges(pfns).into_iter().enumerate() {
+        let valid = validate(page, regions, PAGE_SIZE).is_ok();
+        let failed = uninitialized.iter().any(|u| overlaps(*u, page));
+        if valid && !failed {
+            out[i / 8] |= 1 << (i % 8);
+        }
+    }
+    out
+}
+
+/// Whether two ranges share at least one byte.
+pub fn overlaps(a: GuestRange, b: GuestRange) -> bool {
+    let (Some(ae), Some(be)) = (a.end(), b.end()) else {
+        return false;
+    };
+    a.len > 0 && b.len > 0 && a.gpa < be && b.gpa < ae
+}
+
+/// Used length of a reporting_vq element under `F_DEVICE_INIT_REPORTED`:
+/// the total length of its buffers (`buffer_lens`) when every page was
+/// initialized, 0 otherwise (also when the total does not fit in 32 bits).
+pub fn report_used_len(buffer_lens: &[u32], all_initialized: bool) -> u32 {
+    if !all_initialized {
+        return 0;
+    }
+    buffer_lens
+        .iter()
+        .try_fold(0u32, |acc, &l| acc.checked_add(l))
+        .unwrap_or(0)
+}
+
 /// Splits a range into the part made of whole backing pages of size
 /// `page_size` (power of two) and the partial head/tail that is not.
 /// Returns `(whole, partial)`.
@@ -386,6 +428,41 @@ mod tests {
         assert_eq!(parse_pfns(&[1, 2, 3]), Err(RangeError::PfnArrayLength(3)));
         let r = pfns_to_ranges(&[0xffff_ffff]);
         assert_eq!(r[0], GuestRange::new(0xffff_ffffu64 << 12, 4096));
+    }
+
+    #[test]
+    fn inflate_bitmaps() {
+        let rg = regions();
+        let p = |a: u64| (a >> PFN_SHIFT) as u32;
+        // 9 PFNs: two bytes; PFN 1 outside memory, PFN 8 uninitialized
+        let pfns = [
+            p(0),
+            p(40 * MIB),
+            p(4096),
+            p(8192),
+            p(0),
+            p(MIB),
+            p(2 * MIB),
+            p(3 * MIB),
+            p(5 * MIB),
+        ];
+        let failed = [GuestRange::new(5 * MIB, 4096)];
+        assert_eq!(inflate_bitmap(&pfns, &rg, &failed), vec![0b1111_1101, 0]);
+        assert_eq!(inflate_bitmap(&pfns, &rg, &[]), vec![0b1111_1101, 1]);
+        assert_eq!(inflate_bitmap(&[], &rg, &[]), Vec::<u8>::new());
+        // a failed range covering part of a page clears that page
+        let part = [GuestRange::new(4096 + 100, 8)];
+        assert_eq!(inflate_bitmap(&[p(4096)], &rg, &part), vec![0]);
+    }
+
+    #[test]
+    fn report_used_lengths() {
+        assert_eq!(report_used_len(&[4096, 8192], true), 12288);
+        assert_eq!(report_used_len(&[4096, 8192], false), 0);
+        assert_eq!(report_used_len(&[u32::MAX, 1], true), 0);
+        assert!(overlaps(GuestRange::new(0, 2), GuestRange::new(1, 1)));
+        assert!(!overlaps(GuestRange::new(0, 1), GuestRange::new(1, 1)));
+        assert!(!overlaps(GuestRange::new(0, 0), GuestRange::new(0, 1)));
     }
 
     #[test]

@@ -151,7 +151,7 @@ pub fn run(config: Config) -> Result<(), ServerError> {
     info!(
         "listening on {} (virtio-balloon, offered features {:#x})",
         config.socket_path.display(),
-        config.features.virtio_features(discarder.leaves_zeroes())
+        config.features.virtio_features(discarder.releases_memory())
     );
     let mut conn_no = 0u64;
     loop {

@@ -6,7 +6,7 @@ mod common;
 
 use std::fs::File;
 use std::io::Read;
-use std::os::fd::FromRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
@@ -33,6 +33,11 @@ fn reporting_discards_and_hostile_ranges_are_rejected() {
     );
     g.kick(REPORTING);
     g.queues[REPORTING].wait_used(&g.mem, 1);
+    assert_eq!(
+        g.queues[REPORTING].used_len(&g.mem, 0),
+        (4 * MIB) as u32,
+        "bit 6: used length = total length of an initialized report"
+    );
     // measure before reading: reading a hole of shared memory refaults pages
     let after = g.blocks();
     assert_eq!(
@@ -56,7 +61,7 @@ fn reporting_discards_and_hostile_ranges_are_rejected() {
     assert_eq!(c["counters"]["discarded_bytes"], 4 * MIB);
     assert_eq!(c["counters"]["reports"], 1);
     assert_eq!(c["counters"]["reported_ranges"], 2);
-    assert_eq!(c["zero_guarantees"]["reported_reads_zero"], true);
+    assert_eq!(c["init_guarantees"]["device_init_reported"], true);
     assert_eq!(c["connected"], true);
 
     // --- hostile ranges: every one rejected, nothing touched ---
@@ -76,6 +81,11 @@ fn reporting_discards_and_hostile_ranges_are_rejected() {
     );
     g.kick(REPORTING);
     g.queues[REPORTING].wait_used(&g.mem, 2);
+    assert_eq!(
+        g.queues[REPORTING].used_len(&g.mem, 1),
+        0,
+        "bit 6: a report with rejected ranges is not initialized"
+    );
     assert!(
         g.read(GPA + MIB, 15 * MIB).iter().all(|&b| b == 0xcd),
         "no byte of guest RAM changed"
@@ -97,6 +107,7 @@ fn reporting_discards_and_hostile_ranges_are_rejected() {
     g.queues[REPORTING].push(&g.mem, &[(GPA + 12 * MIB, (MIB) as u32, true)]);
     g.kick(REPORTING);
     g.queues[REPORTING].wait_used(&g.mem, 3);
+    assert_eq!(g.queues[REPORTING].used_len(&g.mem, 2), MIB as u32);
     assert!(g.read(GPA + 12 * MIB, MIB).iter().all(|&b| b == 0));
     assert!(g.read(GPA + 13 * MIB, 4096).iter().all(|&b| b == 0xcd));
 }
@@ -132,9 +143,21 @@ fn inflate_stats_config_and_target_over_socket_channel() {
         pfns.extend_from_slice(&((p >> 12) as u32).to_le_bytes());
     }
     g.mem.write_slice(&pfns, GuestAddress(data)).unwrap();
-    g.queues[INFLATE].push(&g.mem, &[(data, pfns.len() as u32, false)]);
+    // bit 7: the chain ends with a device-writable bitmap, one bit per PFN
+    let bitmap = data + 0x800;
+    g.mem.write_obj(0xffu8, GuestAddress(bitmap)).unwrap();
+    g.queues[INFLATE].push(
+        &g.mem,
+        &[(data, pfns.len() as u32, false), (bitmap, 1, true)],
+    );
     g.kick(INFLATE);
     g.queues[INFLATE].wait_used(&g.mem, 1);
+    assert_eq!(g.queues[INFLATE].used_len(&g.mem, 0), 1, "bitmap length");
+    assert_eq!(
+        g.mem.read_obj::<u8>(GuestAddress(bitmap)).unwrap(),
+        0b0111,
+        "PFNs 0-2 initialized, the one outside RAM not"
+    );
     assert!(g.read(pages, 3 * 4096).iter().all(|&b| b == 0));
     assert!(g.read(pages - 4096, 4096).iter().all(|&b| b == 0x11));
     assert!(g.read(pages + 3 * 4096, 4096).iter().all(|&b| b == 0x11));
@@ -239,4 +262,87 @@ fn uml_pipe_channel_reconnect_and_sigterm() {
     assert!(status.success(), "{status:?}");
     assert!(!d.sock.exists());
     assert!(!d.ctl.exists());
+}
+
+/// Memory that cannot be discarded (a sealed memfd: `fallocate` fails with
+/// EPERM) is zero-filled before the report or inflate is acknowledged as
+/// initialized.
+#[test]
+fn failed_discard_falls_back_to_zero_fill_before_ack() {
+    let d = start_daemon("sealed", &[]);
+    let mut g = Guest::connect_opts(
+        &d,
+        None,
+        &Opts {
+            memfd_flags: libc::MFD_ALLOW_SEALING,
+            ..Opts::default()
+        },
+    );
+    g.fill(GPA + MIB, 8 * MIB, 0xab);
+    // Existing shared mappings stay writable; hole punching is refused.
+    // SAFETY: fcntl on a valid fd we own.
+    let rc = unsafe {
+        libc::fcntl(
+            g.file.as_raw_fd(),
+            libc::F_ADD_SEALS,
+            libc::F_SEAL_FUTURE_WRITE,
+        )
+    };
+    assert_eq!(rc, 0, "seal: {}", std::io::Error::last_os_error());
+
+    let start = GPA + 4 * MIB;
+    g.queues[REPORTING].push(&g.mem, &[(start, (2 * MIB) as u32, true)]);
+    g.kick(REPORTING);
+    g.queues[REPORTING].wait_used(&g.mem, 1);
+    assert!(
+        g.read(start, 2 * MIB).iter().all(|&b| b == 0),
+        "a report acknowledged as initialized reads zero although the discard failed"
+    );
+    assert_eq!(g.queues[REPORTING].used_len(&g.mem, 0), (2 * MIB) as u32);
+    assert!(g.read(start - 4096, 4096).iter().all(|&b| b == 0xab));
+
+    // the same for an inflated page under bit 7
+    let data = GPA + 0x10_0000;
+    let page = GPA + 7 * MIB;
+    g.mem
+        .write_obj(((page >> 12) as u32).to_le_bytes(), GuestAddress(data))
+        .unwrap();
+    g.mem.write_obj(0u8, GuestAddress(data + 0x800)).unwrap();
+    g.queues[INFLATE].push(&g.mem, &[(data, 4, false), (data + 0x800, 1, true)]);
+    g.kick(INFLATE);
+    g.queues[INFLATE].wait_used(&g.mem, 1);
+    assert!(g.read(page, 4096).iter().all(|&b| b == 0));
+    assert_eq!(g.mem.read_obj::<u8>(GuestAddress(data + 0x800)).unwrap(), 1);
+
+    let c = control(&d, r#"{"cmd":"get_counters"}"#);
+    assert_eq!(c["counters"]["discard_errors"], 2, "{c}");
+    assert_eq!(c["counters"]["zero_filled_bytes"], 2 * MIB + 4096, "{c}");
+    assert_eq!(c["counters"]["discarded_bytes"], 0, "{c}");
+}
+
+/// Under bit 6 with PAGE_POISON and a non-zero poison_val, reported pages
+/// are initialized to poison_val (not discarded, not kept as they were).
+#[test]
+fn reports_are_initialized_to_poison_val() {
+    let d = start_daemon("poisonfill", &[]);
+    let mut g = Guest::connect(&d, None);
+    g.fe.set_config(
+        12,
+        VhostUserConfigFlags::WRITABLE,
+        &0xaaaa_aaaau32.to_le_bytes(),
+    )
+    .unwrap();
+    wait_counters(&d, |c| c["poison_val"] == 0xaaaa_aaaau32);
+    let start = GPA + 4 * MIB;
+    g.fill(start, MIB, 0x11);
+    g.queues[REPORTING].push(&g.mem, &[(start, MIB as u32, true)]);
+    g.kick(REPORTING);
+    g.queues[REPORTING].wait_used(&g.mem, 1);
+    assert!(
+        g.read(start, MIB).iter().all(|&b| b == 0xaa),
+        "reported pages hold poison_val"
+    );
+    assert_eq!(g.queues[REPORTING].used_len(&g.mem, 0), MIB as u32);
+    let c = control(&d, r#"{"cmd":"get_counters"}"#);
+    assert_eq!(c["counters"]["poison_filled_bytes"], MIB, "{c}");
 }
