@@ -855,7 +855,15 @@ impl VhostUserBackend for BalloonBackend {
         let state = &self.inner.state;
         let mut g = state.lock();
         match g.config.apply_write(offset, buf) {
-            Ok(c) => {
+            Ok(w) => {
+                let c = w.config;
+                if w.ignored > 0 {
+                    debug!(
+                        "config write at {offset}+{}: {} bytes of device-owned fields ignored",
+                        buf.len(),
+                        w.ignored
+                    );
+                }
                 if c.poison_val != g.config.poison_val {
                     info!("guest set poison_val {:#x}", c.poison_val);
                     let f = g.acked_features;

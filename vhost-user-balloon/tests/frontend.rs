@@ -346,3 +346,24 @@ fn reports_are_initialized_to_poison_val() {
     let c = control(&d, r#"{"cmd":"get_counters"}"#);
     assert_eq!(c["counters"]["poison_filled_bytes"], MIB, "{c}");
 }
+
+/// QEMU's generic vhost-user-device writes the whole 16-byte config space on
+/// every guest write: the driver-writable fields must be taken from it.
+#[test]
+fn whole_config_write_takes_actual_and_poison_val() {
+    let d = start_daemon("wholecfg", &[]);
+    let mut g = Guest::connect(&d, None);
+    let mut cfg = [0u8; 16];
+    cfg[0..4].copy_from_slice(&5u32.to_le_bytes()); // num_pages (stale copy)
+    cfg[4..8].copy_from_slice(&123u32.to_le_bytes()); // actual
+    cfg[8..12].copy_from_slice(&9u32.to_le_bytes()); // free_page_hint_cmd_id
+    cfg[12..16].copy_from_slice(&0xaaaa_aaaau32.to_le_bytes()); // poison_val
+    g.fe.set_config(0, VhostUserConfigFlags::WRITABLE, &cfg)
+        .unwrap();
+    let c = wait_counters(&d, |c| c["actual"] == 123);
+    assert_eq!(c["poison_val"], 0xaaaa_aaaau32, "{c}");
+    assert_eq!(c["target"], 1000, "num_pages stays device-owned");
+    let r = control(&d, r#"{"cmd":"get_config"}"#);
+    assert_eq!(r["config"]["free_page_hint_cmd_id"], 0, "{r}");
+    assert_eq!(c["counters"]["config_write_rejects"], 0, "{c}");
+}

@@ -1,7 +1,8 @@
 //! Fuzzes everything the guest controls, through the pure parsing and
 //! validation functions: PFN arrays (inflateq/deflateq), the inflate bitmap
 //! written back under bit 7, reported ranges and the used length under bit 6
-//! (reporting_vq descriptors), stats payloads (statsq) and config writes.
+//! (reporting_vq descriptors), stats payloads (statsq) and config writes
+//! (partial, whole-space as QEMU's vhost-user-device sends them, or larger).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -77,13 +78,29 @@ fuzz_target!(|data: &[u8]| {
         3 => {
             let off = u32::from_le_bytes([body[0], body[1], body[2], 0]) % 40;
             let cfg = BalloonConfig { num_pages: 7, actual: 1, free_page_hint_cmd_id: 0, poison_val: 0 };
-            match cfg.apply_write(off, &body[3..]) {
-                Ok(n) => {
+            let data = &body[3..];
+            match cfg.apply_write(off, data) {
+                Ok(w) => {
                     // device-owned fields never change
-                    assert_eq!(n.num_pages, 7);
-                    assert_eq!(n.free_page_hint_cmd_id, 0);
+                    assert_eq!(w.config.num_pages, 7);
+                    assert_eq!(w.config.free_page_hint_cmd_id, 0);
+                    assert!(w.ignored < data.len());
+                    // the driver-writable bytes of the write are taken
+                    let img = w.config.to_bytes();
+                    for (i, &b) in data.iter().enumerate() {
+                        let o = off as usize + i;
+                        if (4..8).contains(&o) || (12..16).contains(&o) {
+                            assert_eq!(img[o], b);
+                        }
+                    }
                 }
-                Err(_) => {}
+                Err(_) => {
+                    // nothing driver-writable in the write
+                    let hits = (0..data.len())
+                        .map(|i| off as usize + i)
+                        .any(|o| (4..8).contains(&o) || (12..16).contains(&o));
+                    assert!(!hits);
+                }
             }
             let size = u32::from(body[1]);
             assert_eq!(cfg.read(off, size).len(), size as usize);
