@@ -491,6 +491,21 @@ impl BalloonBackend {
         &self.inner.state.metrics
     }
 
+    /// Counts an ignored kick; logs the first one and then every time the
+    /// count reaches a power of two (a guest must not flood the log).
+    fn bad_kick(&self, e: &BackendError) {
+        let n = self
+            .metrics()
+            .bad_queue_kicks
+            .fetch_add(1, Ordering::Relaxed)
+            + 1;
+        if n.is_power_of_two() {
+            warn!("kick ignored ({n} so far): {e}");
+        } else {
+            debug!("kick ignored ({n} so far): {e}");
+        }
+    }
+
     fn count_rejects(&self, plan: &Plan, what: &str) {
         for (r, why) in &plan.rejects {
             self.metrics().reject(*why);
@@ -938,10 +953,24 @@ impl VhostUserBackend for BalloonBackend {
             return Ok(());
         }
         let idx = usize::from(device_event);
-        let vring = vrings
-            .get(idx)
-            .ok_or(BackendError::UnexpectedEvent(device_event, evset))?;
-        let res = match spec::queue_role(acked, idx).map_err(BackendError::from)? {
+        let found = match spec::queue_role(acked, idx) {
+            Ok(role) => vrings
+                .get(idx)
+                .map(|v| (v, role))
+                .ok_or(BackendError::UnexpectedEvent(device_event, evset)),
+            Err(e) => Err(BackendError::from(e)),
+        };
+        let (vring, role) = match found {
+            Ok(v) => v,
+            Err(e) => {
+                // A kick on a ring that does not exist for the negotiated
+                // features. Returning an error would end this worker thread
+                // and no queue would ever be served again: ignore it.
+                self.bad_kick(&e);
+                return Ok(());
+            }
+        };
+        let res = match role {
             QueueRole::Inflate => self.process_inflate(vring),
             QueueRole::Deflate => self.process_deflate(vring),
             QueueRole::Stats => self.process_stats(vring),

@@ -65,6 +65,9 @@ pub struct Metrics {
     pub stats_requests: AtomicU64,
     /// Config-space writes rejected.
     pub config_write_rejects: AtomicU64,
+    /// Kicks on a virtqueue that does not exist for the negotiated
+    /// features (ignored).
+    pub bad_queue_kicks: AtomicU64,
     /// Config change notifications sent to the frontend.
     pub config_notifications: AtomicU64,
     /// Frontend connections accepted.
@@ -125,6 +128,7 @@ impl Metrics {
             stats_updates: get(&self.stats_updates),
             stats_requests: get(&self.stats_requests),
             config_write_rejects: get(&self.config_write_rejects),
+            bad_queue_kicks: get(&self.bad_queue_kicks),
             config_notifications: get(&self.config_notifications),
             connections: get(&self.connections),
             rejects: Rejects {
@@ -184,6 +188,7 @@ pub struct MetricsSnapshot {
     pub stats_updates: u64,
     pub stats_requests: u64,
     pub config_write_rejects: u64,
+    pub bad_queue_kicks: u64,
     pub config_notifications: u64,
     pub connections: u64,
     pub rejects: Rejects,

@@ -367,3 +367,36 @@ fn whole_config_write_takes_actual_and_poison_val() {
     assert_eq!(r["config"]["free_page_hint_cmd_id"], 0, "{r}");
     assert_eq!(c["counters"]["config_write_rejects"], 0, "{c}");
 }
+
+/// A kick on a ring that does not exist for the negotiated features (no
+/// STATS_VQ: reporting is ring 2, ring 3 does not exist) is ignored and
+/// counted; every other queue is still served.
+#[test]
+fn kick_on_a_queue_that_does_not_exist_is_ignored() {
+    let d = start_daemon("nosuchq", &[]);
+    let mut g = Guest::connect_opts(
+        &d,
+        None,
+        &Opts {
+            clear_features: 1 << 1, // STATS_VQ
+            ..Opts::default()
+        },
+    );
+    // setting up ring 3 may already count as a kick (the library kicks a
+    // ring once when it gets its kick fd)
+    std::thread::sleep(Duration::from_millis(200));
+    let before = control(&d, r#"{"cmd":"get_counters"}"#)["counters"]["bad_queue_kicks"]
+        .as_u64()
+        .unwrap();
+    g.kick(3);
+    std::thread::sleep(Duration::from_millis(200));
+    // reporting_vq is ring 2 now; lay the report out in ring 2's memory
+    g.fill(GPA + 4 * MIB, MIB, 0xab);
+    g.queues[2].push(&g.mem, &[(GPA + 4 * MIB, MIB as u32, true)]);
+    g.kick(2);
+    g.queues[2].wait_used(&g.mem, 1);
+    assert!(g.read(GPA + 4 * MIB, MIB).iter().all(|&b| b == 0));
+    let c = control(&d, r#"{"cmd":"get_counters"}"#);
+    assert_eq!(c["counters"]["reports"], 1, "{c}");
+    assert_eq!(c["counters"]["bad_queue_kicks"], before + 1, "{c}");
+}
