@@ -140,7 +140,9 @@ impl DeviceFeatures {
 
     /// vhost-user protocol features offered.
     pub fn protocol_features(&self) -> VhostUserProtocolFeatures {
-        let mut p = VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::REPLY_ACK;
+        let mut p = VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::RESET_DEVICE;
         if self.backend_req {
             p |= VhostUserProtocolFeatures::BACKEND_REQ;
         }
@@ -337,11 +339,13 @@ impl DeviceState {
         self.stats_cond.notify_all();
     }
 
-    /// Called when a new frontend connects: per-connection state is reset
-    /// (the target and the counters are kept).
+    /// Called when a new frontend connects: per-connection state is reset.
+    /// The target, the counters and the driver-written config fields
+    /// (`actual`, `poison_val`) are kept: they are guest state, and a
+    /// frontend that reconnects (QEMU with a reconnecting chardev) does not
+    /// make the guest write them again.
     pub fn connection_started(&self, offered: u64) {
         let mut g = self.lock();
-        g.config = BalloonConfig::default();
         g.acked_features = 0;
         g.offered_features = offered;
         g.connected = true;
@@ -349,6 +353,31 @@ impl DeviceState {
         drop(g);
         self.acked_protocol.store(0, Ordering::Relaxed);
         add(&self.metrics.connections, 1);
+    }
+
+    /// Records a SET_FEATURES. `poison_val` only means something with
+    /// PAGE_POISON, and a driver that negotiates PAGE_POISON writes it while
+    /// it probes (before or after this message, depending on the frontend:
+    /// QEMU forwards the config write before it starts the backend), so it is
+    /// cleared only when the new features lack PAGE_POISON.
+    pub fn features_negotiated(&self, features: u64) {
+        let mut g = self.lock();
+        g.acked_features = features;
+        if !has(features, spec::F_PAGE_POISON) && g.config.poison_val != 0 {
+            info!("PAGE_POISON not negotiated: poison_val cleared");
+            g.config.poison_val = 0;
+        }
+    }
+
+    /// A device reset (VHOST_USER_RESET_DEVICE): the driver-written config
+    /// fields go back to their initial value; the driver that follows writes
+    /// them again.
+    pub fn device_reset(&self) {
+        let mut g = self.lock();
+        g.acked_features = 0;
+        g.config.actual = 0;
+        g.config.poison_val = 0;
+        info!("device reset: actual and poison_val cleared");
     }
 
     /// Records the frontend's backend request channel (from the shim).
@@ -836,7 +865,7 @@ impl VhostUserBackend for BalloonBackend {
         // held belongs to the old rings.
         self.drop_held_stats();
         self.inner.acked.store(features, Ordering::Relaxed);
-        self.inner.state.lock().acked_features = features;
+        self.inner.state.features_negotiated(features);
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
@@ -849,6 +878,8 @@ impl VhostUserBackend for BalloonBackend {
             .stats_head
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = None;
+        self.inner.acked.store(0, Ordering::Relaxed);
+        self.inner.state.device_reset();
     }
 
     fn set_event_idx(&self, _enabled: bool) {}

@@ -11,7 +11,7 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use common::*;
-use vhost::vhost_user::message::VhostUserConfigFlags;
+use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserProtocolFeatures};
 use vhost::vhost_user::VhostUserFrontend;
 use vm_memory::{Bytes, GuestAddress};
 
@@ -399,4 +399,69 @@ fn kick_on_a_queue_that_does_not_exist_is_ignored() {
     let c = control(&d, r#"{"cmd":"get_counters"}"#);
     assert_eq!(c["counters"]["reports"], 1, "{c}");
     assert_eq!(c["counters"]["bad_queue_kicks"], before + 1, "{c}");
+}
+
+/// poison_val and actual are guest state: a reconnecting frontend does not
+/// make the guest write them again, so they survive the reconnect. A device
+/// reset clears them, and so does (for poison_val) a driver without
+/// PAGE_POISON.
+#[test]
+fn poison_val_and_actual_survive_reconnect_until_reset() {
+    let d = start_daemon("poison", &[]);
+    {
+        let mut g = Guest::connect(&d, None);
+        g.fe.set_config(
+            12,
+            VhostUserConfigFlags::WRITABLE,
+            &0xaaaa_aaaau32.to_le_bytes(),
+        )
+        .unwrap();
+        g.fe.set_config(4, VhostUserConfigFlags::WRITABLE, &5u32.to_le_bytes())
+            .unwrap();
+        wait_counters(&d, |c| {
+            c["poison_val"] == 0xaaaa_aaaau32 && c["actual"] == 5
+        });
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let mut g = Guest::connect_opts(
+        &d,
+        None,
+        &Opts {
+            protocol: VhostUserProtocolFeatures::RESET_DEVICE,
+            ..Opts::default()
+        },
+    );
+    let c = control(&d, r#"{"cmd":"get_counters"}"#);
+    assert_eq!(c["counters"]["connections"], 2);
+    assert_eq!(c["poison_val"], 0xaaaa_aaaau32, "poison_val kept: {c}");
+    assert_eq!(c["actual"], 5, "actual kept: {c}");
+
+    // a device reset puts the driver-written fields back to 0
+    g.fe.reset_device().unwrap();
+    let c = wait_counters(&d, |c| c["poison_val"] == 0);
+    assert_eq!(c["actual"], 0, "{c}");
+    drop(g);
+
+    // a driver without PAGE_POISON: poison_val means nothing, it is cleared
+    std::thread::sleep(Duration::from_millis(100));
+    let mut g = Guest::connect(&d, None);
+    g.fe.set_config(
+        12,
+        VhostUserConfigFlags::WRITABLE,
+        &0x5555_5555u32.to_le_bytes(),
+    )
+    .unwrap();
+    wait_counters(&d, |c| c["poison_val"] == 0x5555_5555u32);
+    drop(g);
+    std::thread::sleep(Duration::from_millis(100));
+    let _g = Guest::connect_opts(
+        &d,
+        None,
+        &Opts {
+            clear_features: 1 << 4, // PAGE_POISON
+            ..Opts::default()
+        },
+    );
+    let c = wait_counters(&d, |c| c["counters"]["connections"] == 4);
+    assert_eq!(c["poison_val"], 0, "{c}");
 }
