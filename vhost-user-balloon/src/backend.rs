@@ -15,7 +15,7 @@ use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
 use virtio_queue::{DescriptorChain, QueueOwnedT, QueueT};
 use vm_memory::{
     Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryLoadGuard,
-    GuestMemoryMmap, GuestMemoryRegion,
+    GuestMemoryRegion,
 };
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
@@ -23,7 +23,7 @@ use vmm_sys_util::event::{
 };
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::discard::{treat_range, Discarder, GuestMem, Treatment};
+use crate::discard::{self, treat_range, Discarder, GuestMem, LogBitmap, Treatment};
 use crate::metrics::{add, Metrics};
 use crate::ranges::{self, BalloonConfig, GuestRange, Plan, RegionInfo, RejectReason, Stat};
 use crate::shim::BackendChannel;
@@ -41,8 +41,8 @@ pub const MAX_STATS_BYTES: usize = 64 * 1024;
 /// Upper bound of descriptors in one report.
 pub const MAX_REPORT_DESCS: usize = 1024;
 
-type GM = GuestMemoryAtomic<GuestMemoryMmap>;
-type Mem = GuestMemoryLoadGuard<GuestMemoryMmap>;
+type GM = GuestMemoryAtomic<GuestMem>;
+type Mem = GuestMemoryLoadGuard<GuestMem>;
 
 /// Error of this module.
 #[derive(Debug, Error)]
@@ -100,6 +100,9 @@ pub struct DeviceFeatures {
     pub init_bits: bool,
     /// Offer VHOST_USER_PROTOCOL_F_BACKEND_REQ (config change notifications).
     pub backend_req: bool,
+    /// Offer VHOST_F_LOG_ALL with VHOST_USER_PROTOCOL_F_LOG_SHMFD (dirty
+    /// logging for migration). Never one without the other.
+    pub dirty_log: bool,
 }
 
 impl Default for DeviceFeatures {
@@ -112,6 +115,7 @@ impl Default for DeviceFeatures {
             reporting: true,
             init_bits: true,
             backend_req: true,
+            dirty_log: true,
         }
     }
 }
@@ -135,6 +139,11 @@ impl DeviceFeatures {
         let init = self.init_bits && releases_memory;
         set(init && self.reporting, spec::F_DEVICE_INIT_REPORTED);
         set(init, spec::F_DEVICE_INIT_ON_INFLATE);
+        // LOG_ALL only together with LOG_SHMFD (protocol_features()): a
+        // frontend that migrates must get every discard and fill in its log,
+        // or the destination keeps stale pages the guest was told are
+        // initialized.
+        set(self.dirty_log, spec::F_LOG_ALL);
         f
     }
 
@@ -145,6 +154,9 @@ impl DeviceFeatures {
             | VhostUserProtocolFeatures::RESET_DEVICE;
         if self.backend_req {
             p |= VhostUserProtocolFeatures::BACKEND_REQ;
+        }
+        if self.dirty_log {
+            p |= VhostUserProtocolFeatures::LOG_SHMFD;
         }
         p
     }
@@ -412,7 +424,7 @@ pub struct BalloonBackend {
 /// Reads the device-readable part of a chain, at most `max` bytes.
 fn read_chain(
     chain: &DescriptorChain<Mem>,
-    mem: &GuestMemoryMmap,
+    mem: &GuestMem,
     max: usize,
 ) -> Result<Vec<u8>, BackendError> {
     let mut out = Vec::new();
@@ -449,7 +461,7 @@ fn writable_len(chain: &DescriptorChain<Mem>) -> u64 {
 /// The caller checked that they are long enough.
 fn write_chain(
     chain: &DescriptorChain<Mem>,
-    mem: &GuestMemoryMmap,
+    mem: &GuestMem,
     data: &[u8],
 ) -> Result<(), BackendError> {
     let mut rest = data;
@@ -476,7 +488,7 @@ fn write_chain(
 }
 
 /// The guest memory regions as validation input.
-pub fn region_infos(mem: &GuestMemoryMmap) -> Vec<RegionInfo> {
+pub fn region_infos(mem: &GuestMem) -> Vec<RegionInfo> {
     mem.iter()
         .map(|r| RegionInfo {
             gpa: r.start_addr().0,
@@ -543,13 +555,29 @@ impl BalloonBackend {
     }
 
     /// Applies `t` to every valid range of `plan`; returns the parts that
-    /// `t` promised to initialize and that could not be.
+    /// `t` promised to initialize and that could not be. Every range the
+    /// device changed is marked in the frontend's dirty log; while the
+    /// frontend migrates (LOG_ALL) a range the log did not record counts as
+    /// not initialized, since the destination would not get it.
     fn treat_ranges(&self, mem: &GuestMem, plan: &Plan, t: Treatment) -> Vec<GuestRange> {
         let m = self.metrics();
+        let migrating = has(self.acked(), spec::F_LOG_ALL);
         let mut uninitialized = Vec::new();
         for (_, r) in &plan.ranges {
             let t0 = Instant::now();
-            let (o, err) = treat_range(self.inner.discarder.as_ref(), mem, *r, t);
+            let (mut o, err) = treat_range(self.inner.discarder.as_ref(), mem, *r, t);
+            if o.discarded + o.zero_filled + o.pattern_filled > 0 {
+                let logged = discard::mark_dirty(mem, *r);
+                if migrating && !logged && t != Treatment::Release {
+                    add(&m.dirty_log_misses, 1);
+                    warn!(
+                        "LOG_ALL negotiated but no dirty log for {:#x}+{:#x}: \
+                         not acknowledged as initialized",
+                        r.gpa, r.len
+                    );
+                    o.uninitialized = vec![*r];
+                }
+            }
             m.record_discard_latency(t0.elapsed());
             if let Some(e) = err {
                 warn!("range {:#x}+{:#x}: {e}", r.gpa, r.len);
@@ -614,7 +642,7 @@ impl BalloonBackend {
     /// Writes the bit 7 bitmap of an inflate chain; returns the used length.
     fn write_inflate_bitmap(
         &self,
-        mem: &GuestMemoryMmap,
+        mem: &GuestMem,
         chain: &DescriptorChain<Mem>,
         done: Option<PfnChain>,
         zeroed: bool,
@@ -665,7 +693,7 @@ impl BalloonBackend {
 
     fn handle_pfn_chain(
         &self,
-        mem: &GuestMemoryMmap,
+        mem: &GuestMem,
         chain: &DescriptorChain<Mem>,
         inflate: bool,
         t: Treatment,
@@ -844,7 +872,7 @@ struct PfnChain {
 }
 
 impl VhostUserBackend for BalloonBackend {
-    type Bitmap = ();
+    type Bitmap = LogBitmap;
     type Vring = VringRwLock<GM>;
 
     fn num_queues(&self) -> usize {
@@ -862,8 +890,12 @@ impl VhostUserBackend for BalloonBackend {
     fn acked_features(&self, features: u64) {
         info!("negotiated virtio features {features:#x}");
         // (Re)negotiation starts a new driver instance: whatever buffer we
-        // held belongs to the old rings.
-        self.drop_held_stats();
+        // held belongs to the old rings. A frontend that only turns dirty
+        // logging on or off (migration) keeps the driver and its rings.
+        let log = spec::bit(spec::F_LOG_ALL);
+        if (self.acked() | log) != (features | log) {
+            self.drop_held_stats();
+        }
         self.inner.acked.store(features, Ordering::Relaxed);
         self.inner.state.features_negotiated(features);
     }
@@ -1013,5 +1045,30 @@ impl VhostUserBackend for BalloonBackend {
             self.metrics().reject(RejectReason::Malformed);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_all_is_offered_only_with_log_shmfd() {
+        let on = DeviceFeatures::default();
+        assert!(has(on.virtio_features(true), spec::F_LOG_ALL));
+        assert!(on
+            .protocol_features()
+            .contains(VhostUserProtocolFeatures::LOG_SHMFD));
+        let off = DeviceFeatures {
+            dirty_log: false,
+            ..on
+        };
+        assert!(!has(off.virtio_features(true), spec::F_LOG_ALL));
+        assert!(!off
+            .protocol_features()
+            .contains(VhostUserProtocolFeatures::LOG_SHMFD));
+        // bits 6/7 need a discarder that releases memory
+        let f = on.virtio_features(false);
+        assert!(!has(f, spec::F_DEVICE_INIT_REPORTED) && !has(f, spec::F_DEVICE_INIT_ON_INFLATE));
     }
 }

@@ -98,6 +98,12 @@ pub struct Args {
     #[arg(long)]
     pub no_backend_req: bool,
 
+    /// Do not offer VHOST_F_LOG_ALL and VHOST_USER_PROTOCOL_F_LOG_SHMFD
+    /// (dirty logging). A frontend then cannot migrate a VM with this device
+    /// (QEMU registers a migration blocker).
+    #[arg(long)]
+    pub no_dirty_log: bool,
+
     /// How pages are given back to the host.
     #[arg(long, value_enum, value_name = "MODE", default_value_t = DiscardMode::Auto)]
     pub discard: DiscardMode,
@@ -183,6 +189,7 @@ impl TryFrom<Args> for Config {
                 reporting: !a.no_reporting,
                 init_bits: !a.no_init_bits && a.discard != DiscardMode::None,
                 backend_req: !a.no_backend_req,
+                dirty_log: !a.no_dirty_log,
             },
             discard: a.discard,
             log_level: a.log_level,
@@ -215,10 +222,12 @@ mod tests {
             "/tmp/x.sock",
             "--no-stats",
             "--no-reporting",
+            "--no-dirty-log",
             "--discard",
             "none",
         ])
         .unwrap();
+        assert!(!c.features.dirty_log);
         assert!(!c.features.stats);
         assert!(!c.features.reporting);
         assert!(!c.features.init_bits, "discard none implies no init bits");

@@ -26,6 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use thiserror::Error;
+use vm_memory::bitmap::Bitmap;
 use vm_memory::{
     Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryError, GuestMemoryMmap, GuestMemoryRegion,
 };
@@ -69,8 +70,13 @@ pub enum DiscardError {
     },
 }
 
+/// The dirty bitmap of a guest memory region: inactive until the frontend
+/// shares a log (VHOST_USER_SET_LOG_BASE), then every write through guest
+/// memory marks the pages it touched in the frontend's log.
+pub type LogBitmap = vhost_user_backend::bitmap::BitmapMmapRegion;
+
 /// Guest memory as the backend maps it.
-pub type GuestMem = GuestMemoryMmap;
+pub type GuestMem = GuestMemoryMmap<LogBitmap>;
 
 /// What a discard did with a range.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -192,6 +198,27 @@ pub fn treat_range(
         }
     }
     (out, err)
+}
+
+/// Marks `r` dirty in the frontend's migration log (the region's bitmap)
+/// and returns whether the log recorded it, i.e. whether a log is active
+/// for that region. Writes through guest memory are marked by `vm-memory`
+/// itself; a discard changes memory behind its back and needs this.
+///
+/// The answer can be a false "no" when the frontend collected (and
+/// cleared) the bit between the mark and the check: callers treat "no" as
+/// "the guest cannot rely on this range", which is the safe side.
+pub fn mark_dirty(mem: &GuestMem, r: GuestRange) -> bool {
+    let Some(region) = mem.find_region(GuestAddress(r.gpa)) else {
+        return false;
+    };
+    let off = r.gpa - region.start_addr().0;
+    let (Ok(off), Ok(len)) = (usize::try_from(off), usize::try_from(r.len)) else {
+        return false;
+    };
+    let bitmap = region.bitmap();
+    bitmap.mark_dirty(off, len);
+    len > 0 && bitmap.dirty_at(off)
 }
 
 /// The real implementation (see module documentation).
@@ -509,7 +536,7 @@ mod tests {
 
     #[test]
     fn dontneed_on_private_anon() {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let mem = GuestMem::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         mem.write_slice(&[7u8; 8192], GuestAddress(4096)).unwrap();
         let out = HostDiscarder
             .discard(&mem, GuestRange::new(4096, 4096))
@@ -523,7 +550,7 @@ mod tests {
 
     #[test]
     fn outside_region_is_error() {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 16)]).unwrap();
+        let mem = GuestMem::from_ranges(&[(GuestAddress(0), 1 << 16)]).unwrap();
         assert!(HostDiscarder
             .discard(&mem, GuestRange::new(1 << 16, 4096))
             .is_err());
@@ -534,7 +561,7 @@ mod tests {
 
     #[test]
     fn noop_and_recording() {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 16)]).unwrap();
+        let mem = GuestMem::from_ranges(&[(GuestAddress(0), 1 << 16)]).unwrap();
         let o = NoopDiscarder
             .discard(&mem, GuestRange::new(0, 4096))
             .unwrap();
@@ -550,7 +577,7 @@ mod tests {
     }
 
     fn mem_with(byte: u8) -> GuestMem {
-        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 16)]).unwrap();
+        let mem = GuestMem::from_ranges(&[(GuestAddress(0), 1 << 16)]).unwrap();
         mem.write_slice(&[byte; 1 << 16], GuestAddress(0)).unwrap();
         mem
     }
@@ -612,6 +639,14 @@ mod tests {
         assert_eq!(&b[..8], &[0x78, 0x56, 0x34, 0x12, 0x78, 0x56, 0x34, 0x12]);
         // outside guest memory: an error, never a write elsewhere
         assert!(fill_pattern(&mem, GuestRange::new(1 << 16, 4096), 0).is_err());
+    }
+
+    #[test]
+    fn mark_dirty_reports_an_inactive_log() {
+        let mem = mem_with(7);
+        // no log shared: marking is a no-op and says so
+        assert!(!mark_dirty(&mem, GuestRange::new(0, 4096)));
+        assert!(!mark_dirty(&mem, GuestRange::new(1 << 16, 4096)));
     }
 
     #[test]

@@ -65,6 +65,9 @@ pub struct Metrics {
     pub stats_requests: AtomicU64,
     /// Config-space writes rejected.
     pub config_write_rejects: AtomicU64,
+    /// Ranges changed while LOG_ALL was negotiated that the dirty log did
+    /// not record (no log shared): acknowledged as not initialized.
+    pub dirty_log_misses: AtomicU64,
     /// Kicks on a virtqueue that does not exist for the negotiated
     /// features (ignored).
     pub bad_queue_kicks: AtomicU64,
@@ -129,6 +132,7 @@ impl Metrics {
             stats_requests: get(&self.stats_requests),
             config_write_rejects: get(&self.config_write_rejects),
             bad_queue_kicks: get(&self.bad_queue_kicks),
+            dirty_log_misses: get(&self.dirty_log_misses),
             config_notifications: get(&self.config_notifications),
             connections: get(&self.connections),
             rejects: Rejects {
@@ -189,6 +193,7 @@ pub struct MetricsSnapshot {
     pub stats_requests: u64,
     pub config_write_rejects: u64,
     pub bad_queue_kicks: u64,
+    pub dirty_log_misses: u64,
     pub config_notifications: u64,
     pub connections: u64,
     pub rejects: Rejects,

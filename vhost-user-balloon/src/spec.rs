@@ -42,6 +42,9 @@ pub const F_DEVICE_INIT_REPORTED: u32 = 6;
 /// and returns used length = bitmap length. Without the feature there is no
 /// bitmap and the used length is 0.
 pub const F_DEVICE_INIT_ON_INFLATE: u32 = 7;
+/// `VHOST_F_LOG_ALL` (vhost, not virtio): the frontend migrates and wants
+/// every write of the device to guest memory in its dirty log.
+pub const F_LOG_ALL: u32 = 26;
 /// `VIRTIO_F_VERSION_1`.
 pub const F_VERSION_1: u32 = 32;
 
@@ -57,7 +60,7 @@ pub const fn has(features: u64, n: u32) -> bool {
 
 /// Names of the feature bits set in `features` (for the control socket).
 pub fn feature_names(features: u64) -> Vec<&'static str> {
-    const NAMES: [(u32, &str); 10] = [
+    const NAMES: [(u32, &str); 11] = [
         (F_MUST_TELL_HOST, "MUST_TELL_HOST"),
         (F_STATS_VQ, "STATS_VQ"),
         (F_DEFLATE_ON_OOM, "DEFLATE_ON_OOM"),
@@ -66,6 +69,7 @@ pub fn feature_names(features: u64) -> Vec<&'static str> {
         (F_REPORTING, "REPORTING"),
         (F_DEVICE_INIT_REPORTED, "DEVICE_INIT_REPORTED"),
         (F_DEVICE_INIT_ON_INFLATE, "DEVICE_INIT_ON_INFLATE"),
+        (F_LOG_ALL, "LOG_ALL"),
         (30, "VHOST_USER_F_PROTOCOL_FEATURES"),
         (F_VERSION_1, "VERSION_1"),
     ];

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserProtocolFeatures};
 use vhost::vhost_user::VhostUserFrontend;
+use vhost::VhostBackend;
 use vm_memory::{Bytes, GuestAddress};
 
 #[test]
@@ -464,4 +465,115 @@ fn poison_val_and_actual_survive_reconnect_until_reset() {
     );
     let c = wait_counters(&d, |c| c["counters"]["connections"] == 4);
     assert_eq!(c["poison_val"], 0, "{c}");
+}
+
+/// Whether the page at `gpa` is marked in a vhost-user dirty log (one bit
+/// per 4 KiB page of guest-physical address, LSB first).
+fn log_bit(log: &File, gpa: u64) -> bool {
+    use std::os::unix::fs::FileExt;
+    let page = gpa >> 12;
+    let mut b = [0u8; 1];
+    log.read_exact_at(&mut b, page / 8).unwrap();
+    b[0] & (1 << (page % 8)) != 0
+}
+
+/// Migration: with LOG_ALL and a shared log (LOG_SHMFD + SET_LOG_BASE),
+/// every range the device discards or fills and every used-ring write is
+/// marked dirty, so the frontend sends those pages again. Without a log,
+/// nothing is acknowledged as initialized. Turning LOG_ALL on does not drop
+/// the held stats buffer.
+#[test]
+fn dirty_log_records_discards_fills_and_used_rings() {
+    let d = start_daemon("dirtylog", &[]);
+    let mut g = Guest::connect_opts(
+        &d,
+        None,
+        &Opts {
+            log_all: true,
+            protocol: VhostUserProtocolFeatures::LOG_SHMFD,
+            ..Opts::default()
+        },
+    );
+    let log_size = ((GPA + MEM) >> 12).div_ceil(8);
+    let log = memfd(log_size);
+    g.fe.set_log_base(
+        0,
+        Some(vhost::VhostUserDirtyLogRegion {
+            mmap_size: log_size,
+            mmap_offset: 0,
+            mmap_handle: log.as_raw_fd(),
+        }),
+    )
+    .unwrap();
+
+    // a report: discarded (memfd) and logged
+    let start = GPA + 4 * MIB;
+    g.fill(start, 2 * MIB, 0xab);
+    assert!(!log_bit(&log, start));
+    g.queues[REPORTING].push(&g.mem, &[(start, (2 * MIB) as u32, true)]);
+    g.kick(REPORTING);
+    g.queues[REPORTING].wait_used(&g.mem, 1);
+    assert_eq!(g.queues[REPORTING].used_len(&g.mem, 0), (2 * MIB) as u32);
+    for p in (start..start + 2 * MIB).step_by(4096) {
+        assert!(log_bit(&log, p), "discarded page {p:#x} logged");
+    }
+    assert!(!log_bit(&log, start + 2 * MIB), "neighbour not logged");
+    assert!(
+        log_bit(&log, g.queues[REPORTING].used),
+        "used ring write logged"
+    );
+
+    // an inflate: the page and the bitmap the device wrote are logged
+    let data = GPA + 0x10_0000;
+    let page = GPA + 9 * MIB;
+    g.mem
+        .write_obj(((page >> 12) as u32).to_le_bytes(), GuestAddress(data))
+        .unwrap();
+    let bitmap = GPA + 0x11_0000;
+    g.queues[INFLATE].push(&g.mem, &[(data, 4, false), (bitmap, 1, true)]);
+    g.kick(INFLATE);
+    g.queues[INFLATE].wait_used(&g.mem, 1);
+    assert_eq!(g.mem.read_obj::<u8>(GuestAddress(bitmap)).unwrap(), 1);
+    assert!(log_bit(&log, page), "inflated page logged");
+    assert!(log_bit(&log, bitmap), "bitmap write logged");
+    assert!(!log_bit(&log, data), "the PFN array was only read");
+
+    // the held stats buffer survives LOG_ALL going off and on again
+    let sbuf = GPA + 0x18_0000;
+    let st = [4u8, 0, 1, 0, 0, 0, 0, 0, 0, 0];
+    g.mem.write_slice(&st, GuestAddress(sbuf)).unwrap();
+    g.queues[STATS].push(&g.mem, &[(sbuf, st.len() as u32, false)]);
+    g.kick(STATS);
+    wait_counters(&d, |c| c["counters"]["stats_updates"] == 1);
+    let f = g.fe.get_features().unwrap();
+    g.fe.set_features(f & !LOG_ALL).unwrap();
+    g.fe.set_features(f).unwrap();
+    g.fe.get_features().unwrap(); // round trip
+    let s = control(&d, r#"{"cmd":"get_stats","wait_ms":50}"#);
+    assert_eq!(s["ok"], true);
+    g.queues[STATS].wait_used(&g.mem, 1);
+    assert!(log_bit(&log, g.queues[STATS].used));
+    let c = control(&d, r#"{"cmd":"get_counters"}"#);
+    assert_eq!(c["counters"]["dirty_log_misses"], 0, "{c}");
+    drop(g);
+
+    // LOG_ALL without a shared log: the device cannot tell the frontend
+    // what it changed, so nothing is acknowledged as initialized
+    std::thread::sleep(Duration::from_millis(100));
+    let mut g = Guest::connect_opts(
+        &d,
+        None,
+        &Opts {
+            log_all: true,
+            ..Opts::default()
+        },
+    );
+    g.fill(start, MIB, 0xab);
+    g.queues[REPORTING].push(&g.mem, &[(start, MIB as u32, true)]);
+    g.kick(REPORTING);
+    g.queues[REPORTING].wait_used(&g.mem, 1);
+    assert_eq!(g.queues[REPORTING].used_len(&g.mem, 0), 0);
+    let c = control(&d, r#"{"cmd":"get_counters"}"#);
+    assert_eq!(c["counters"]["dirty_log_misses"], 1, "{c}");
+    assert_eq!(c["counters"]["reports_not_initialized"], 1, "{c}");
 }

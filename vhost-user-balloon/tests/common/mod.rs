@@ -36,6 +36,8 @@ pub const MEM: u64 = 16 << 20;
 /// Default ring size (tests).
 pub const QSIZE: u16 = 16;
 pub const MIB: u64 = 1 << 20;
+/// `VHOST_F_LOG_ALL`.
+pub const LOG_ALL: u64 = 1 << 26;
 
 // queue indexes with every feature negotiated
 pub const INFLATE: usize = 0;
@@ -253,6 +255,9 @@ pub struct Opts {
     pub protocol: VhostUserProtocolFeatures,
     /// Extra `memfd_create` flags for guest memory.
     pub memfd_flags: libc::c_uint,
+    /// Accept VHOST_F_LOG_ALL (a migrating frontend); off by default, as a
+    /// frontend sets it only while it migrates.
+    pub log_all: bool,
 }
 
 impl Default for Opts {
@@ -264,6 +269,7 @@ impl Default for Opts {
             require_init_bits: true,
             protocol: VhostUserProtocolFeatures::empty(),
             memfd_flags: 0,
+            log_all: false,
         }
     }
 }
@@ -330,7 +336,14 @@ impl Guest {
             assert_ne!(features & (1 << 7), 0, "bit 7 offered");
         }
         assert_eq!(features & (1 << 3), 0, "hinting never offered");
-        fe.set_features(features & !o.clear_features).unwrap();
+        let log_all = if o.log_all {
+            assert_ne!(features & LOG_ALL, 0, "LOG_ALL offered");
+            0
+        } else {
+            LOG_ALL
+        };
+        fe.set_features(features & !o.clear_features & !log_all)
+            .unwrap();
         let pf = fe.get_protocol_features().unwrap();
         assert!(pf.contains(VhostUserProtocolFeatures::CONFIG));
         assert!(
