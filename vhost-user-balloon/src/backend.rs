@@ -448,6 +448,17 @@ fn read_chain(
     Ok(out)
 }
 
+/// Logs the `n`-th occurrence of a guest-caused problem at `warn` when `n`
+/// is a power of two (1, 2, 4, ...) and at `debug` otherwise, so that a guest
+/// cannot flood the log.
+fn log_sparse(n: u64, msg: &str) {
+    if n.is_power_of_two() {
+        warn!("{msg} ({n} so far)");
+    } else {
+        debug!("{msg} ({n} so far)");
+    }
+}
+
 /// Total length of the device-writable descriptors of a chain.
 fn writable_len(chain: &DescriptorChain<Mem>) -> u64 {
     chain
@@ -540,11 +551,7 @@ impl BalloonBackend {
             .bad_queue_kicks
             .fetch_add(1, Ordering::Relaxed)
             + 1;
-        if n.is_power_of_two() {
-            warn!("kick ignored ({n} so far): {e}");
-        } else {
-            debug!("kick ignored ({n} so far): {e}");
-        }
+        log_sparse(n, &format!("kick ignored: {e}"));
     }
 
     fn count_rejects(&self, plan: &Plan, what: &str) {
@@ -660,19 +667,20 @@ impl BalloonBackend {
         };
         let set: u32 = map.iter().map(|b| b.count_ones()).sum();
         let len = u32::try_from(map.len()).unwrap_or(u32::MAX);
-        if writable_len(chain) < u64::from(len) {
-            add(&m.inflate_bitmap_errors, 1);
-            add(&m.pfns_not_initialized, done.pfns.len() as u64);
-            warn!(
-                "inflate: chain has no room for the {len}-byte bitmap of {} PFNs",
+        let res = if writable_len(chain) < u64::from(len) {
+            Err(BackendError::BadChain(format!(
+                "no room for the {len}-byte bitmap of {} PFNs",
                 done.pfns.len()
-            );
-            return 0;
-        }
-        if let Err(e) = write_chain(chain, mem, &map) {
-            add(&m.inflate_bitmap_errors, 1);
+            )))
+        } else {
+            write_chain(chain, mem, &map)
+        };
+        if let Err(e) = res {
+            // e.g. a driver that negotiated bit 7 under its older reading
+            // and sends no bitmap: one line per chain would flood the log
+            let n = m.inflate_bitmap_errors.fetch_add(1, Ordering::Relaxed) + 1;
             add(&m.pfns_not_initialized, done.pfns.len() as u64);
-            warn!("inflate: {e}");
+            log_sparse(n, &format!("inflate: {e}"));
             return 0;
         }
         add(

@@ -166,6 +166,23 @@ fn inflate_stats_config_and_target_over_socket_channel() {
     assert_eq!(c["counters"]["inflated_pages"], 4);
     assert_eq!(c["counters"]["discarded_bytes"], 3 * 4096);
     assert_eq!(c["counters"]["rejects"]["outside_memory"], 1);
+    assert_eq!(c["counters"]["pfns_not_initialized"], 1);
+
+    // a chain without the bitmap (a driver of the older reading of bit 7):
+    // the page is still released, the chain returned with used length 0
+    let page = pages + 8 * 4096;
+    g.fill(page, 4096, 0x11);
+    g.mem
+        .write_slice(&((page >> 12) as u32).to_le_bytes(), GuestAddress(data))
+        .unwrap();
+    g.queues[INFLATE].push(&g.mem, &[(data, 4, false)]);
+    g.kick(INFLATE);
+    g.queues[INFLATE].wait_used(&g.mem, 2);
+    assert_eq!(g.queues[INFLATE].used_len(&g.mem, 1), 0);
+    assert!(g.read(page, 4096).iter().all(|&b| b == 0));
+    let c = control(&d, r#"{"cmd":"get_counters"}"#);
+    assert_eq!(c["counters"]["inflate_bitmap_errors"], 1, "{c}");
+    assert_eq!(c["counters"]["pfns_not_initialized"], 2, "{c}");
 
     // stats: the device holds the buffer until asked
     let sbuf = GPA + 0x18_0000;
