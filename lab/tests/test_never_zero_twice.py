@@ -1,5 +1,6 @@
 """The kernel series on real guests: KUnit on UML, verified populates on QEMU and UML."""
 
+import time
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,55 @@ def test_reported_memory_reads_zero_and_zeroing_is_skipped(tmp_path, platform):
     out = scen.run(ctx, params)  # raises on a non-zero byte or a kernel warning
     for mode, entry in out.data["modes"].items():
         assert entry["on"]["pgzero_skipped"] > 0, (mode, out.table)
+
+
+def test_deflated_pages_are_known_zero_under_bit_7(tmp_path):
+    """UML + vhost-user-balloon offering bit 7 (DEVICE_INIT_ON_INFLATE): inflate
+    dirty memory, deflate it, and the deflated pages come back marked zero
+    (the device set their bits in the inflate bitmap) and read as zero.
+
+    Reporting is off in the daemon so that only deflate produces zero pages;
+    the debug kernel verifies every page whose zeroing it skips.
+    """
+    from freepage_lab.backend import BalloonBackend
+    from freepage_lab.initramfs import EVENT
+
+    ctx = ctx_for(tmp_path, "uml")
+    pages = 16384  # 64 MiB
+    vmstat = "grep -E '^pgzero_(marked_freed|skipped|missed) ' /proc/vmstat | tr '\\n' ' '"
+    script = f"""echo 1000 > /proc/sys/vm/percpu_pagelist_high_fraction
+populate --mib 256 --mode 4k --fill 165 --tag warm
+echo "{EVENT} warmed $({vmstat})"
+i=0
+until [ "$(awk '/^pgzero_marked_freed /{{print $2}}' /proc/vmstat)" -ge {pages} ]; do
+  i=$((i+1)); [ $i -gt 600 ] && {{ echo 'deflated pages never marked zero' >&2; exit 5; }}
+  sleep 0.1
+done
+echo "{EVENT} deflated $({vmstat})"
+populate --mib 200 --mode 4k --verify --tag measure
+echo "{EVENT} populated $({vmstat})"
+"""
+    backend = BalloonBackend(ctx.shell, tmp_path / "balloon.sock", ctx.log("backend"),
+                             ["--no-reporting"])
+    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("deflate", script), mem_mib=512,
+                      vhost_user_balloon=backend.socket)
+    with backend, ctx.runner().guest("deflate", cfg, ctx.log("deflate")) as g:
+        g.wait_for(rf"^{EVENT} warmed", 60)
+        assert backend.request({"cmd": "set_target", "pages": pages})["ok"]
+        t0 = time.monotonic()
+        while backend.request({"cmd": "get_counters"})["actual"] != pages:
+            assert time.monotonic() - t0 < 60, "inflate did not complete in 60 s"
+            time.sleep(0.1)
+        assert backend.request({"cmd": "set_target", "pages": 0})["ok"]
+        assert g.wait_exit(120) == 0
+        state = backend.request({"cmd": "get_counters"})
+    names = state["features"]["negotiated_names"]
+    assert "DEVICE_INIT_ON_INFLATE" in names, names
+    events = {m.split()[1]: dict(zip(m.split()[2::2], map(int, m.split()[3::2])))
+              for m in (ln.text for ln in g.lines) if m.startswith(EVENT + " ")}
+    marked = events["deflated"]["pgzero_marked_freed"] - events["warmed"]["pgzero_marked_freed"]
+    skipped = events["populated"]["pgzero_skipped"] - events["deflated"]["pgzero_skipped"]
+    print(f"deflated {pages} pages: {marked} marked zero, {skipped} zeroing allocations skipped")
+    assert marked >= pages, events
+    assert skipped >= 0.5 * pages, events
+    assert not [ln.text for ln in g.lines if "WARNING" in ln.text]
