@@ -10,7 +10,7 @@ from pathlib import Path
 
 from . import initramfs, kernel, paths
 from .runners import GuestConfig, Runner, make_runner
-from .shell import Shell
+from .shell import LabError, Shell
 
 
 @dataclass
@@ -73,6 +73,16 @@ class RunContext:
                                  self.log(f"{name}-backend"), list(extra))
         cfg.vhost_user_balloon = backend.socket
         return backend
+
+    def configure_zeroing_balloon(self, cfg: GuestConfig) -> None:
+        """Give the guest a balloon that zeroes reported pages (bit 6).
+
+        UML: vhost-user-balloon offers it by default. QEMU: only the patched
+        build (qemu/) has it.
+        """
+        if self.platform == "uml":
+            return
+        raise LabError("a balloon that zeroes reported pages needs the patched QEMU (qemu/)")
 
     def log(self, name: str) -> Path:
         return self.run_dir / "logs" / f"{name}.log"
