@@ -47,7 +47,12 @@ def test_gigantic_hugetlb_pages_with_init_on_free(tmp_path):
     h = "/sys/kernel/mm/hugepages/hugepages-1048576kB"
     script = f"""[ -d {h} ] || {{ echo 'no 1 GiB huge page size' >&2; exit 3; }}
 for round in 1 2; do
-  echo 1 > {h}/nr_hugepages
+  # a range can be busy for a moment (pages on their way to the free lists)
+  for try in 1 2 3 4 5; do
+    echo 1 > {h}/nr_hugepages
+    [ "$(cat {h}/nr_hugepages)" = 1 ] && break
+    sleep 1
+  done
   n=$(cat {h}/nr_hugepages)
   [ "$n" = 1 ] || {{ echo "round $round: $n gigantic pages allocated" >&2; exit 4; }}
   populate --mib 1024 --mode hugetlb-1g --verify --tag "gigantic-$round" || exit 5
