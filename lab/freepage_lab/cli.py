@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from . import guest as guest_mod
-from . import insntrace, kernel, paths, scenarios
+from . import insntrace, kernel, paths, qemu, scenarios
 from .context import RunContext
 from .runners import GuestConfig
 from .scenarios.zerobench import BENCH_PATCH
@@ -43,21 +43,41 @@ def cmd_build(args: argparse.Namespace, shell: Shell) -> int:
 
 
 def cmd_series(args: argparse.Namespace, shell: Shell) -> int:
+    if args.qemu:
+        return cmd_qemu(args, shell)
+    tree = Path(args.dir) if args.dir else paths.KERNEL_DIR / "tree"
     if args.action == "tree":
-        kernel.materialise(shell, kernel.Series.load(), Path(args.dir))
-        print(f"work tree ready: {args.dir} (base tag freepage-base)")
+        kernel.materialise(shell, kernel.Series.load(), tree)
+        print(f"work tree ready: {tree} (base tag freepage-base)")
         return 0
     if args.action == "export":
-        names = kernel.export(shell, Path(args.dir))
+        names = kernel.export(shell, tree)
         print(f"exported {len(names)} patches to {paths.PATCH_DIR}")
         return 0
     return report([kernel.check(shell, kernel.Series.load())])
 
 
+def cmd_qemu(args: argparse.Namespace, shell: Shell) -> int:
+    """The QEMU patch queue (qemu/), the twin of `series` for kernel/."""
+    tree = Path(args.dir) if args.dir else paths.QEMU_DIR / "tree"
+    if args.action == "build":
+        res, _ = qemu.build_stage(shell)
+        return report([res])
+    if args.action == "tree":
+        qemu.materialise(shell, qemu.load_series(), tree)
+        print(f"work tree ready: {tree} (base tag freepage-base)")
+        return 0
+    if args.action == "export":
+        names = qemu.export(shell, tree)
+        print(f"exported {len(names)} patches to {paths.QEMU_PATCH_DIR}")
+        return 0
+    return report([qemu.check(shell, qemu.load_series())])
+
+
 def cmd_boot(args: argparse.Namespace, shell: Shell) -> int:
     ctx = RunContext.create(shell, f"boot-{args.platform}", platform=args.platform,
                             accel=args.accel, patched=not args.vanilla, variant=args.variant,
-                            extra_fragments=tuple(args.fragment))
+                            extra_fragments=tuple(args.fragment), patched_qemu=args.patched_qemu)
     script = Path(args.script).read_text() if args.script else DEFAULT_BOOT_SCRIPT
     cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("boot", script), mem_mib=args.mem,
                       cmdline=args.cmdline or [])
@@ -80,7 +100,7 @@ def cmd_run(args: argparse.Namespace, shell: Shell) -> int:
     params = scenario.params(_parse_params(args.param))
     ctx = RunContext.create(shell, f"{args.scenario}-{args.platform}", platform=args.platform,
                             accel=args.accel, patched=not args.vanilla, variant=args.variant,
-                            extra_fragments=tuple(args.fragment))
+                            extra_fragments=tuple(args.fragment), patched_qemu=args.patched_qemu)
     outcome = scenario.run(ctx, params)
     print(outcome.table)
     for p in outcome.plots:
@@ -199,6 +219,8 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--fragment", action="append", default=[],
                         help="extra config fragment for the patched kernel (repeatable); "
                         "bench.config applies to the stock kernel too")
+        sp.add_argument("--patched-qemu", action="store_true",
+                        help="QEMU built with qemu/patches (cached) instead of Debian's")
 
     b = sub.add_parser("build", help="build guest kernels (cached)")
     b.add_argument("--arch", choices=(*kernel.ARCHES, "all"), default="all")
@@ -210,9 +232,17 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("series", help="patch queue: work tree, export, check")
     s.add_argument("action", choices=("tree", "export", "check"))
-    s.add_argument("dir", nargs="?", default=str(paths.REPO / "kernel" / "tree"),
-                   help="git work tree (tree: created; export: read)")
+    s.add_argument("dir", nargs="?", default=None,
+                   help="git work tree (tree: created; export: read); "
+                   "default kernel/tree (qemu/tree with --qemu)")
+    s.add_argument("--qemu", action="store_true", help="the QEMU queue (qemu/) instead")
     s.set_defaults(func=cmd_series)
+
+    q = sub.add_parser("qemu", help="QEMU patch queue (qemu/): build, work tree, export, check")
+    q.add_argument("action", choices=("build", "tree", "export", "check"))
+    q.add_argument("dir", nargs="?", default=None,
+                   help="git work tree (tree: created; export: read); default qemu/tree")
+    q.set_defaults(func=cmd_qemu)
 
     bt = sub.add_parser("boot", help="boot a guest and run a script")
     platform_opts(bt)

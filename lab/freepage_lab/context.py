@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import initramfs, kernel, paths
-from .runners import GuestConfig, Runner, make_runner
+from . import qemu as qemu_mod
+from .runners import STOCK_QEMU, GuestConfig, Runner, make_runner
 from .shell import LabError, Shell
 
 
@@ -22,7 +23,10 @@ class RunContext:
     patched: bool = False
     variant: str = "release"
     extra_fragments: tuple[str, ...] = ()
+    # QEMU: Debian's stock build, or one with qemu/patches applied
+    patched_qemu: bool = False
     _kernels: dict[str, kernel.BuiltKernel] = field(default_factory=dict)
+    _qemu: Path | None = None
     _base_initrd: Path | None = None
 
     @classmethod
@@ -38,7 +42,17 @@ class RunContext:
         return "um" if self.platform == "uml" else "x86_64"
 
     def runner(self, platform: str | None = None) -> Runner:
-        return make_runner(platform or self.platform, self.shell, self.accel)
+        platform = platform or self.platform
+        binary = self.qemu_binary() if platform == "qemu" else STOCK_QEMU
+        return make_runner(platform, self.shell, self.accel, binary)
+
+    def qemu_binary(self) -> Path:
+        """The QEMU to run: stock, or the patched build (built once, cached)."""
+        if not self.patched_qemu:
+            return STOCK_QEMU
+        if self._qemu is None:
+            self._qemu = qemu_mod.build(self.shell).binary
+        return self._qemu
 
     def kernel(self, platform: str | None = None, patched: bool | None = None,
                extra_patches: tuple[str, ...] = ()) -> Path:
