@@ -6,7 +6,7 @@ from freepage_lab.shell import LabError, Shell
 
 @pytest.mark.parametrize("scenario,extra", [
     ("reclaim", []), ("realloc", []), ("migrate", []),
-    ("zeroskip", ["--param", "variants=vanilla,off"]),
+    ("zeroskip", []),
 ])
 def test_dry_run_prints_the_commands_and_runs_nothing(scenario, extra, capsys, tmp_path,
                                                       monkeypatch):

@@ -236,11 +236,9 @@ class Zerobench(Scenario):
         tag = f"zerobench-{ctx.platform}-{variant}-{rnd}"
         if ctx.platform == "qemu":
             cfg.extra_args += qemu_args
-            if variant == "on":
-                ctx.configure_zeroing_balloon(cfg)
         # UML: the daemon offers bit 6 (reported pages read as zero) only for "on"
         host = ctx.balloon_host(cfg, tag, () if variant == "on" else ("--no-zero-bits",))
-        guest = ctx.runner().guest(tag, cfg, ctx.log(tag))
+        guest = ctx.balloon_runner(cfg, zeroing=variant == "on").guest(tag, cfg, ctx.log(tag))
         if ctx.shell.dry_run:
             with host:
                 guest.start()

@@ -112,10 +112,10 @@ class Zerofirst(Scenario):
                                             extra_patches=patches),
                           initrd=ctx.initrd(f"zerofirst-{ctx.platform}", guest_script(p)),
                           mem_mib=p.mem_mib, cmdline=["init_on_alloc=1"])
-        ctx.configure_zeroing_balloon(cfg)
         tag = f"zerofirst-{ctx.platform}-{variant}-{rnd}"
         host = ctx.balloon_host(cfg, tag)
-        runner = ctx.runner()
+        # the same zeroing host for every variant: only the guest differs
+        runner = ctx.balloon_runner(cfg, zeroing=True)
         guest = runner.guest(tag, cfg, ctx.log(tag))
         if ctx.shell.dry_run:
             guest.start()

@@ -367,10 +367,9 @@ class Zeromix(Scenario):
                           initrd=ctx.initrd(f"zeromix-{ctx.platform}",
                                             guest_script(params, ctx.platform)),
                           mem_mib=params.mem_mib)
-        ctx.configure_zeroing_balloon(cfg)
         tag = f"zeromix-{ctx.platform}-{variant}-{rnd}"
         host = ctx.balloon_host(cfg, tag)  # UML: the daemon offers bit 6
-        guest = ctx.runner().guest(tag, cfg, ctx.log(tag))
+        guest = ctx.balloon_runner(cfg, zeroing=True).guest(tag, cfg, ctx.log(tag))
         if ctx.shell.dry_run:
             with host:  # prints the daemon's command line too
                 guest.start()

@@ -88,12 +88,11 @@ class Zeroskip(Scenario):
                           initrd=ctx.initrd(f"zeroskip-{ctx.platform}",
                                             guest_script(params, modes)),
                           mem_mib=params.mem_mib)
-        if variant == "on":
-            ctx.configure_zeroing_balloon(cfg)
+        runner = ctx.balloon_runner(cfg, zeroing=variant == "on")
         tag = f"zeroskip-{ctx.platform}-{variant}-{rnd}"
         # UML: the daemon offers bit 6 only for "on"
         host = ctx.balloon_host(cfg, tag, () if variant == "on" else ("--no-zero-bits",))
-        guest = ctx.runner().guest(tag, cfg, ctx.log(tag))
+        guest = runner.guest(tag, cfg, ctx.log(tag))
         if ctx.shell.dry_run:
             guest.start()
             return [], []
