@@ -8,9 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+from . import demo, insntrace, kernel, paths, qemu, scenarios
 from . import guest as guest_mod
-from . import insntrace, kernel, paths, qemu, scenarios
 from .context import RunContext
+from .demo import medians
 from .runners import GuestConfig
 from .scenarios.zerobench import BENCH_PATCH
 from .shell import LabError, Shell, StageResult
@@ -133,19 +134,6 @@ def cmd_trace(args: argparse.Namespace, shell: Shell) -> int:
     return 0
 
 
-def medians(data: object, prefix: str = "") -> dict[str, float]:
-    """Every numeric 'median' in a result tree, keyed by its path."""
-    out: dict[str, float] = {}
-    if isinstance(data, dict):
-        for k, v in data.items():
-            path = f"{prefix}.{k}" if prefix else str(k)
-            if isinstance(v, (int, float)) and (k == "median" or prefix.endswith("median")):
-                out[path] = float(v)
-            else:
-                out.update(medians(v, path))
-    return out
-
-
 def cmd_compare(args: argparse.Namespace, shell: Shell) -> int:
     del shell
     runs = [Path(r) for r in args.runs]
@@ -169,33 +157,8 @@ def cmd_compare(args: argparse.Namespace, shell: Shell) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, shell: Shell) -> int:
-    """Baseline of stock Linux 6.12 + stock QEMU: reclaim, realloc, migrate."""
-    ctx = RunContext.create(shell, "demo", platform="qemu", accel=args.accel, patched=False)
-    quick = {"reclaim": {"repeat": "1"}, "realloc": {"repeat": "1", "rounds": "2"},
-             "migrate": {"rounds": "2"}} if args.quick else {}
-    uml = {"modes": "4k", "mem_mib": "1024", "repeat": quick.get("reclaim", {}).get("repeat", "3")}
-    plan: list[tuple[str, str, dict[str, str]]] = [
-        ("reclaim", "qemu", quick.get("reclaim", {})),
-        ("realloc", "qemu", quick.get("realloc", {})),
-        ("migrate", "qemu", quick.get("migrate", {})),
-        # the same reclaim on UML + vhost-user-balloon, with the kernel's
-        # default per-cpu lists and with them kept small
-        ("reclaim", "uml", uml),
-        ("reclaim", "uml", {**uml, "pcp_high_fraction": "1000"}),
-    ]
-    tables = []
-    for name, platform, overrides in plan:
-        scenario = scenarios.get(name)
-        print(f"== {name} on {platform} ==", flush=True)
-        ctx.platform = platform
-        outcome = scenario.run(ctx, scenario.params(overrides))
-        print(outcome.table, flush=True)
-        tables.append(outcome.table)
-        for p in outcome.plots:
-            print(f"plot: {p}")
-    if not shell.dry_run:
-        (ctx.run_dir / "summary.txt").write_text("\n\n".join(tables) + "\n")
-    print(f"results: {ctx.run_dir}")
+    """Stock vs freepage, side by side, for every feature that exists."""
+    demo.run(shell, args.accel, args.quick, tuple(args.only))
     return 0
 
 
@@ -267,9 +230,12 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=3000,
                    help="instructions to single-step (several iterations must fit)")
     t.set_defaults(func=cmd_trace)
-    d = sub.add_parser("demo", help="the baseline: reclaim, realloc, migrate on stock Linux")
+    d = sub.add_parser("demo", help="stock vs freepage, side by side, for every feature")
     d.add_argument("--accel", choices=("auto", "tcg", "kvm"), default="auto")
-    d.add_argument("--quick", action="store_true", help="fewer repetitions")
+    d.add_argument("--quick", action="store_true",
+                   help="fewer repetitions (about 15 minutes on a warm cache)")
+    d.add_argument("--only", action="append", default=[],
+                   help="run only this scenario's steps (repeatable)")
     d.set_defaults(func=cmd_demo)
     return p
 

@@ -41,14 +41,31 @@ class RunContext:
     def arch(self) -> str:
         return "um" if self.platform == "uml" else "x86_64"
 
-    def runner(self, platform: str | None = None) -> Runner:
+    def runner(self, platform: str | None = None,
+               patched_qemu: bool | None = None) -> Runner:
         platform = platform or self.platform
-        binary = self.qemu_binary() if platform == "qemu" else STOCK_QEMU
+        binary = self.qemu_binary(patched_qemu) if platform == "qemu" else STOCK_QEMU
         return make_runner(platform, self.shell, self.accel, binary)
 
-    def qemu_binary(self) -> Path:
+    def balloon_runner(self, cfg: GuestConfig, zeroing: bool | None = None) -> Runner:
+        """The runner for a guest whose balloon zeroes reported and inflated
+        pages and says so (bits 6 and 7, proposed), or does not.
+
+        zeroing None: what the context stands for (freepage = the series on
+        the patched QEMU). QEMU: the patched build offers the bits, Debian's
+        cannot. UML: vhost-user-balloon offers them unless balloon_host()
+        passed it --no-init-bits.
+        """
+        if zeroing is None:
+            zeroing = self.patched and self.patched_qemu
+        if self.platform == "uml":
+            return self.runner()
+        cfg.device_init_reported = cfg.device_init_on_inflate = zeroing
+        return self.runner(patched_qemu=zeroing or self.patched_qemu)
+
+    def qemu_binary(self, patched: bool | None = None) -> Path:
         """The QEMU to run: stock, or the patched build (built once, cached)."""
-        if not self.patched_qemu:
+        if not (self.patched_qemu if patched is None else patched):
             return STOCK_QEMU
         if self._qemu is None:
             self._qemu = qemu_mod.build(self.shell).binary

@@ -4,10 +4,14 @@ from freepage_lab import cli
 from freepage_lab.shell import LabError, Shell
 
 
-@pytest.mark.parametrize("scenario", ["reclaim", "realloc", "migrate", "zeroskip"])
-def test_dry_run_prints_the_commands_and_runs_nothing(scenario, capsys, tmp_path, monkeypatch):
+@pytest.mark.parametrize("scenario,extra", [
+    ("reclaim", []), ("realloc", []), ("migrate", []),
+    ("zeroskip", []),
+])
+def test_dry_run_prints_the_commands_and_runs_nothing(scenario, extra, capsys, tmp_path,
+                                                      monkeypatch):
     monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
-    assert cli.main(["--dry-run", "run", scenario, "--vanilla", "--accel", "tcg"]) == 0
+    assert cli.main(["--dry-run", "run", scenario, "--vanilla", "--accel", "tcg", *extra]) == 0
     err = capsys.readouterr().err
     assert "$ make -C" in err and "tinyconfig" in err
     assert "$ qemu-system-x86_64 -machine pc,accel=tcg" in err

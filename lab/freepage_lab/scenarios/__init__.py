@@ -60,11 +60,12 @@ def registry() -> dict[str, Scenario]:
     from .realloc import Realloc
     from .reclaim import ReclaimScenario
     from .zerobench import Zerobench
+    from .zerofirst import Zerofirst
     from .zeromix import Zeromix
     from .zeroskip import Zeroskip
 
     return {s.name: s for s in (ReclaimScenario(), Realloc(), Migrate(), Zeroskip(), Zeromix(),
-                                Zerobench())}
+                                Zerobench(), Zerofirst())}
 
 
 def get(name: str) -> Scenario:

@@ -17,8 +17,8 @@ Variants, alternating ABBA across boots in one run:
            (UML: vhost-user-balloon started with --no-zero-bits; QEMU: no
            override)
   on       patched kernel + bench patch, reported pages are known zero and
-           __GFP_ZERO skips clearing them (UML: the daemon offers bit 6;
-           QEMU: virtio_balloon.assume_reported_zero=1)
+           __GFP_ZERO skips clearing them (bit 6 negotiated: UML through
+           vhost-user-balloon, QEMU through the patched QEMU of qemu/)
 
 Platforms: UML runs at native speed, but has no jump labels (every static
 key test is a load and a branch) and its timings move with the host. QEMU
@@ -236,11 +236,9 @@ class Zerobench(Scenario):
         tag = f"zerobench-{ctx.platform}-{variant}-{rnd}"
         if ctx.platform == "qemu":
             cfg.extra_args += qemu_args
-            if variant == "on":
-                cfg.cmdline.append("virtio_balloon.assume_reported_zero=1")
         # UML: the daemon offers bit 6 (reported pages read as zero) only for "on"
         host = ctx.balloon_host(cfg, tag, () if variant == "on" else ("--no-zero-bits",))
-        guest = ctx.runner().guest(tag, cfg, ctx.log(tag))
+        guest = ctx.balloon_runner(cfg, zeroing=variant == "on").guest(tag, cfg, ctx.log(tag))
         if ctx.shell.dry_run:
             with host:
                 guest.start()
