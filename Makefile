@@ -6,7 +6,7 @@ FREEPAGE := $(VENV)/bin/freepage
 PY := $(VENV)/bin/python
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: all deps demo test test-lab test-guest test-kernel test-backend test-boot lint clean
+.PHONY: all deps demo test test-lab test-guest test-kernel test-qemu test-backend test-boot lint clean
 
 all: test
 
@@ -16,7 +16,7 @@ deps:
 demo: deps
 	$(FREEPAGE) demo
 
-test: deps lint test-lab test-guest test-kernel test-backend test-boot
+test: deps lint test-lab test-guest test-kernel test-qemu test-backend test-boot
 	@echo "make test: all passed"
 
 lint: deps
@@ -33,6 +33,12 @@ test-kernel: deps
 	$(FREEPAGE) series check
 	$(FREEPAGE) build --arch all --vanilla
 	$(FREEPAGE) build --arch all
+
+# the QEMU patch queue: applies, checkpatch.pl clean, builds (cached); the
+# boot tests run the build (migration with bit 6, vhost-user-balloon)
+test-qemu: deps
+	$(FREEPAGE) qemu check
+	$(FREEPAGE) qemu build
 
 test-backend:
 	@if [ -f vhost-user-balloon/Cargo.toml ]; then $(MAKE) -C vhost-user-balloon test; \

@@ -1,11 +1,14 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
- * populate: fault in N MiB of anonymous memory in one of three modes, time
+ * populate: fault in N MiB of anonymous memory in one of four modes, time
  * it, optionally fill it with a non-zero pattern and/or check that what the
  * kernel handed out reads as zero, then free it.  One JSON line on stdout.
  *
- *   populate --mib N [--mode 4k|thp|hugetlb] [--fill BYTE] [--verify]
+ *   populate --mib N [--mode 4k|thp|hugetlb|hugetlb-1g] [--fill BYTE] [--verify]
  *            [--touch] [--repeat K] [--tag TEXT]
+ *
+ * hugetlb uses the default huge page size, hugetlb-1g gigantic 1 GiB pages
+ * (N a multiple of 1024).
  *
  * --touch times a write to every 4 KiB page right after the populate: a
  * host that discarded the memory pays its own fault there, so populate +
@@ -30,6 +33,10 @@
 #ifndef MAP_HUGETLB
 #define MAP_HUGETLB 0x40000
 #endif
+#ifndef MAP_HUGE_SHIFT
+#define MAP_HUGE_SHIFT 26
+#endif
+#define MAP_HUGE_1GB_PAGES (30 << MAP_HUGE_SHIFT)
 
 #define MIB (1024UL * 1024UL)
 
@@ -71,7 +78,7 @@ static long minor_faults(void)
 static int usage(const char *why)
 {
 	fprintf(stderr, "populate: %s\n"
-		"usage: populate --mib N [--mode 4k|thp|hugetlb] [--fill BYTE] [--verify]\n"
+		"usage: populate --mib N [--mode 4k|thp|hugetlb|hugetlb-1g] [--fill BYTE] [--verify]\n"
 		"                [--touch] [--repeat K] [--tag TEXT]\n", why);
 	return 2;
 }
@@ -117,8 +124,11 @@ static int parse(int argc, char **argv, struct options *o)
 	}
 	if (!o->mib)
 		return usage("--mib must be > 0");
-	if (strcmp(o->mode, "4k") && strcmp(o->mode, "thp") && strcmp(o->mode, "hugetlb"))
-		return usage("--mode must be 4k, thp or hugetlb");
+	if (strcmp(o->mode, "4k") && strcmp(o->mode, "thp") && strcmp(o->mode, "hugetlb") &&
+	    strcmp(o->mode, "hugetlb-1g"))
+		return usage("--mode must be 4k, thp, hugetlb or hugetlb-1g");
+	if (!strcmp(o->mode, "hugetlb-1g") && o->mib % 1024)
+		return usage("--mode hugetlb-1g needs --mib in whole GiB");
 	if (!o->repeat)
 		return usage("--repeat must be > 0");
 	return 0;
@@ -151,6 +161,8 @@ static int one_round(const struct options *o, unsigned int round)
 
 	if (!strcmp(o->mode, "hugetlb"))
 		flags |= MAP_HUGETLB;
+	else if (!strcmp(o->mode, "hugetlb-1g"))
+		flags |= MAP_HUGETLB | MAP_HUGE_1GB_PAGES;
 	p = mmap(NULL, len, PROT_READ | PROT_WRITE, flags, -1, 0);
 	if (p == MAP_FAILED) {
 		fprintf(stderr, "populate: mmap %lu MiB (%s): %s\n", o->mib, o->mode,

@@ -8,19 +8,29 @@ venv="$repo/.venv"
 
 apt_packages=(
 	linux-source-6.12 build-essential flex bison bc libelf-dev libssl-dev
-	cpio xz-utils kmod rsync busybox-static qemu-system-x86 python3-venv ccache
+	cpio xz-utils kmod rsync busybox-static python3-venv ccache
 	python3-pip valgrind gdb
-	# the arm64 platform: cross compiler, libc for the static KVM selftests,
-	# qemu-system-aarch64 (from the same backports as qemu-system-x86 when
-	# that one comes from there: the two share qemu-system-common)
-	gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-system-arm
+	# building QEMU 10.0 (qemu/): meson comes from bookworm-backports below
+	ninja-build pkg-config libglib2.0-dev libpixman-1-dev libfdt-dev zlib1g-dev
+	curl bzip2
+	# the arm64 platform: cross compiler and libc for the static KVM selftests
+	gcc-aarch64-linux-gnu libc6-dev-arm64-cross
 )
+# QEMU 10.0 is the x86 platform: Debian's stock build is the baseline (7.2
+# crashes the destination of a migrating guest), the meson it needs to build
+# from source is newer than bookworm's; python3-pycotap is a QEMU build dep
+# qemu-system-arm (qemu-system-aarch64, the arm64 platform) shares
+# qemu-system-common with qemu-system-x86, so it comes from backports too
+backports_packages=(qemu-system-x86 meson python3-pycotap qemu-system-arm)
+backports_min=(10.0 1.5 1.3 10.0)
 
-missing=()
-for p in "${apt_packages[@]}"; do
-	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
-		missing+=("$p")
-done
+apt_lock=(-o DPkg::Lock::Timeout=900)
+
+installed_version() {
+	dpkg-query -W -f='${Status} ${Version}' "$1" 2>/dev/null |
+		sed -n 's/^install ok installed //p'
+}
+
 # busybox-static:arm64 for the arm64 initramfs is fetched by the lab with
 # `apt-get download` (the package is not Multi-Arch: it cannot be installed
 # beside the host's); apt needs the foreign architecture to find it.
@@ -31,24 +41,52 @@ if ! dpkg --print-foreign-architectures | grep -qx arm64; then
 	fi
 	echo "install-deps: dpkg --add-architecture arm64"
 	dpkg --add-architecture arm64
-	apt-get update -qq || { echo "install-deps: apt-get update failed" >&2; exit 1; }
+	apt-get "${apt_lock[@]}" update -qq || { echo "install-deps: apt-get update failed" >&2; exit 1; }
 fi
 
-if ((${#missing[@]})); then
+missing=()
+for p in "${apt_packages[@]}"; do
+	[ -n "$(installed_version "$p")" ] || missing+=("$p")
+done
+missing_bpo=()
+for i in "${!backports_packages[@]}"; do
+	have=$(installed_version "${backports_packages[$i]}")
+	# versions look like 1:10.0.2+ds-2...: compare the upstream part
+	upstream=${have#*:}
+	if [ -z "$have" ] || ! dpkg --compare-versions "${upstream%%[+~-]*}" ge "${backports_min[$i]}"; then
+		missing_bpo+=("${backports_packages[$i]}")
+	fi
+done
+if ((${#missing[@]} + ${#missing_bpo[@]})); then
 	if [ "$(id -u)" != 0 ]; then
-		echo "install-deps: missing packages: ${missing[*]} (run as root)" >&2
+		echo "install-deps: missing packages: ${missing[*]} ${missing_bpo[*]} (run as root)" >&2
 		exit 1
 	fi
-	echo "install-deps: apt-get install ${missing[*]}"
-	apt-get update -qq || { echo "install-deps: apt-get update failed" >&2; exit 1; }
-	backports=()
-	# qemu-system-arm must match qemu-system-common, which may be a backport
-	if dpkg-query -W -f='${Version}' qemu-system-common 2>/dev/null | grep -q bpo; then
-		backports=(-t "$(. /etc/os-release && echo "$VERSION_CODENAME")-backports")
+	bpo=/etc/apt/sources.list.d/freepage-bookworm-backports.sources
+	if ((${#missing_bpo[@]})) && ! grep -rqs "bookworm-backports" /etc/apt/sources.list \
+		/etc/apt/sources.list.d/; then
+		echo "install-deps: adding bookworm-backports ($bpo)"
+		cat >"$bpo" <<-'SOURCES'
+		Types: deb deb-src
+		URIs: http://deb.debian.org/debian
+		Suites: bookworm-backports
+		Components: main
+		Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+		SOURCES
 	fi
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-		"${backports[@]}" "${missing[@]}" >/dev/null ||
-		{ echo "install-deps: apt-get install ${missing[*]} failed" >&2; exit 1; }
+	echo "install-deps: apt-get install ${missing[*]} ${missing_bpo[*]}"
+	apt-get "${apt_lock[@]}" update -qq || { echo "install-deps: apt-get update failed" >&2; exit 1; }
+	if ((${#missing[@]})); then
+		DEBIAN_FRONTEND=noninteractive apt-get "${apt_lock[@]}" install -y -qq \
+			--no-install-recommends "${missing[@]}" >/dev/null ||
+			{ echo "install-deps: apt-get install ${missing[*]} failed" >&2; exit 1; }
+	fi
+	if ((${#missing_bpo[@]})); then
+		DEBIAN_FRONTEND=noninteractive apt-get "${apt_lock[@]}" install -y -qq \
+			--no-install-recommends -t bookworm-backports "${missing_bpo[@]}" >/dev/null ||
+			{ echo "install-deps: apt-get install -t bookworm-backports ${missing_bpo[*]} failed" >&2
+			  exit 1; }
+	fi
 fi
 
 stamp="$venv/.freepage-deps"

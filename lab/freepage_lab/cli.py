@@ -8,9 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+from . import demo, insntrace, kernel, paths, qemu, scenarios
 from . import guest as guest_mod
-from . import insntrace, kernel, paths, scenarios
 from .context import RunContext
+from .demo import medians
 from .runners import PLATFORMS, GuestConfig
 from .scenarios.zerobench import BENCH_PATCH
 from .shell import LabError, Shell, StageResult
@@ -44,13 +45,16 @@ def cmd_build(args: argparse.Namespace, shell: Shell) -> int:
 
 
 def cmd_series(args: argparse.Namespace, shell: Shell) -> int:
+    if args.qemu:
+        return cmd_qemu(args, shell)
     queue = kernel.QUEUES[args.queue or "never-zero-twice"]
+    tree = Path(args.dir) if args.dir else paths.KERNEL_DIR / "tree"
     if args.action == "tree":
-        kernel.materialise(shell, kernel.Series.load(queue.patch_dir), Path(args.dir))
-        print(f"work tree ready: {args.dir} (base tag freepage-base)")
+        kernel.materialise(shell, kernel.Series.load(queue.patch_dir), tree)
+        print(f"work tree ready: {tree} (base tag freepage-base)")
         return 0
     if args.action == "export":
-        names = kernel.export(shell, Path(args.dir), queue.patch_dir)
+        names = kernel.export(shell, tree, queue.patch_dir)
         print(f"exported {len(names)} patches to {queue.patch_dir}")
         return 0
     # each series applies to pristine 6.12 on its own
@@ -58,10 +62,27 @@ def cmd_series(args: argparse.Namespace, shell: Shell) -> int:
     return report([kernel.check(shell, kernel.Series.load(q.patch_dir), q.name) for q in queues])
 
 
+def cmd_qemu(args: argparse.Namespace, shell: Shell) -> int:
+    """The QEMU patch queue (qemu/), the twin of `series` for kernel/."""
+    tree = Path(args.dir) if args.dir else paths.QEMU_DIR / "tree"
+    if args.action == "build":
+        res, _ = qemu.build_stage(shell)
+        return report([res])
+    if args.action == "tree":
+        qemu.materialise(shell, qemu.load_series(), tree)
+        print(f"work tree ready: {tree} (base tag freepage-base)")
+        return 0
+    if args.action == "export":
+        names = qemu.export(shell, tree)
+        print(f"exported {len(names)} patches to {paths.QEMU_PATCH_DIR}")
+        return 0
+    return report([qemu.check(shell, qemu.load_series())])
+
+
 def cmd_boot(args: argparse.Namespace, shell: Shell) -> int:
     ctx = RunContext.create(shell, f"boot-{args.platform}", platform=args.platform,
                             accel=args.accel, patched=not args.vanilla, variant=args.variant,
-                            extra_fragments=tuple(args.fragment))
+                            extra_fragments=tuple(args.fragment), patched_qemu=args.patched_qemu)
     script = Path(args.script).read_text() if args.script else DEFAULT_BOOT_SCRIPT
     cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("boot", script), mem_mib=args.mem,
                       cmdline=args.cmdline or [])
@@ -84,7 +105,7 @@ def cmd_run(args: argparse.Namespace, shell: Shell) -> int:
     params = scenario.params(_parse_params(args.param))
     ctx = RunContext.create(shell, f"{args.scenario}-{args.platform}", platform=args.platform,
                             accel=args.accel, patched=not args.vanilla, variant=args.variant,
-                            extra_fragments=tuple(args.fragment))
+                            extra_fragments=tuple(args.fragment), patched_qemu=args.patched_qemu)
     outcome = scenario.run(ctx, params)
     print(outcome.table)
     for p in outcome.plots:
@@ -117,19 +138,6 @@ def cmd_trace(args: argparse.Namespace, shell: Shell) -> int:
     return 0
 
 
-def medians(data: object, prefix: str = "") -> dict[str, float]:
-    """Every numeric 'median' in a result tree, keyed by its path."""
-    out: dict[str, float] = {}
-    if isinstance(data, dict):
-        for k, v in data.items():
-            path = f"{prefix}.{k}" if prefix else str(k)
-            if isinstance(v, (int, float)) and (k == "median" or prefix.endswith("median")):
-                out[path] = float(v)
-            else:
-                out.update(medians(v, path))
-    return out
-
-
 def cmd_compare(args: argparse.Namespace, shell: Shell) -> int:
     del shell
     runs = [Path(r) for r in args.runs]
@@ -153,37 +161,8 @@ def cmd_compare(args: argparse.Namespace, shell: Shell) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, shell: Shell) -> int:
-    """Baseline of stock Linux 6.12 + stock QEMU: reclaim, realloc, migrate; eager split."""
-    ctx = RunContext.create(shell, "demo", platform="qemu", accel=args.accel, patched=False)
-    quick = {"reclaim": {"repeat": "1"}, "realloc": {"repeat": "1", "rounds": "2"},
-             "migrate": {"rounds": "2"}, "split": {"mib": "64", "rounds": "1"}} \
-        if args.quick else {"split": {"mib": "256"}}
-    uml = {"modes": "4k", "mem_mib": "1024", "repeat": quick.get("reclaim", {}).get("repeat", "3")}
-    plan: list[tuple[str, str, dict[str, str]]] = [
-        ("reclaim", "qemu", quick.get("reclaim", {})),
-        ("realloc", "qemu", quick.get("realloc", {})),
-        ("migrate", "qemu", quick.get("migrate", {})),
-        # the same reclaim on UML + vhost-user-balloon, with the kernel's
-        # default per-cpu lists and with them kept small
-        ("reclaim", "uml", uml),
-        ("reclaim", "uml", {**uml, "pcp_high_fraction": "1000"}),
-        # faster eager split (arm64-split series): KVM inside an arm64 guest,
-        # stock vs series, work in guest instructions
-        ("split", "arm64", quick["split"]),
-    ]
-    tables = []
-    for name, platform, overrides in plan:
-        scenario = scenarios.get(name)
-        print(f"== {name} on {platform} ==", flush=True)
-        ctx.platform = platform
-        outcome = scenario.run(ctx, scenario.params(overrides))
-        print(outcome.table, flush=True)
-        tables.append(outcome.table)
-        for p in outcome.plots:
-            print(f"plot: {p}")
-    if not shell.dry_run:
-        (ctx.run_dir / "summary.txt").write_text("\n\n".join(tables) + "\n")
-    print(f"results: {ctx.run_dir}")
+    """Stock vs freepage, side by side, for every feature that exists."""
+    demo.run(shell, args.accel, args.quick, tuple(args.only))
     return 0
 
 
@@ -208,6 +187,8 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--fragment", action="append", default=[],
                         help="extra config fragment for the patched kernel (repeatable); "
                         "bench.config applies to the stock kernel too")
+        sp.add_argument("--patched-qemu", action="store_true",
+                        help="QEMU built with qemu/patches (cached) instead of Debian's")
 
     b = sub.add_parser("build", help="build guest kernels (cached)")
     b.add_argument("--arch", choices=(*kernel.ARCHES, "all"), default="all")
@@ -222,11 +203,19 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("series", help="patch queue: work tree, export, check")
     s.add_argument("action", choices=("tree", "export", "check"))
-    s.add_argument("dir", nargs="?", default=str(paths.REPO / "kernel" / "tree"),
-                   help="git work tree (tree: created; export: read)")
+    s.add_argument("dir", nargs="?", default=None,
+                   help="git work tree (tree: created; export: read); "
+                   "default kernel/tree (qemu/tree with --qemu)")
+    s.add_argument("--qemu", action="store_true", help="the QEMU queue (qemu/) instead")
     s.add_argument("--queue", choices=sorted(kernel.QUEUES),
-                   help="which series (default: never-zero-twice; check: every series)")
+                   help="which kernel series (default: never-zero-twice; check: every series)")
     s.set_defaults(func=cmd_series)
+
+    q = sub.add_parser("qemu", help="QEMU patch queue (qemu/): build, work tree, export, check")
+    q.add_argument("action", choices=("build", "tree", "export", "check"))
+    q.add_argument("dir", nargs="?", default=None,
+                   help="git work tree (tree: created; export: read); default qemu/tree")
+    q.set_defaults(func=cmd_qemu)
 
     bt = sub.add_parser("boot", help="boot a guest and run a script")
     platform_opts(bt)
@@ -251,9 +240,12 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=3000,
                    help="instructions to single-step (several iterations must fit)")
     t.set_defaults(func=cmd_trace)
-    d = sub.add_parser("demo", help="the baseline: reclaim, realloc, migrate on stock Linux")
+    d = sub.add_parser("demo", help="stock vs freepage, side by side, for every feature")
     d.add_argument("--accel", choices=("auto", "tcg", "kvm"), default="auto")
-    d.add_argument("--quick", action="store_true", help="fewer repetitions")
+    d.add_argument("--quick", action="store_true",
+                   help="fewer repetitions (about 15 minutes on a warm cache)")
+    d.add_argument("--only", action="append", default=[],
+                   help="run only this scenario's steps (repeatable)")
     d.set_defaults(func=cmd_demo)
     return p
 

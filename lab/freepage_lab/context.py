@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import initramfs, kernel, paths
-from .runners import PLATFORM_ARCH, GuestConfig, Runner, make_runner
+from . import qemu as qemu_mod
+from .runners import PLATFORM_ARCH, STOCK_QEMU, GuestConfig, Runner, make_runner
 from .shell import Shell
 
 
@@ -22,7 +23,10 @@ class RunContext:
     patched: bool = False
     variant: str = "release"
     extra_fragments: tuple[str, ...] = ()
+    # QEMU: Debian's stock build, or one with qemu/patches applied
+    patched_qemu: bool = False
     _kernels: dict[str, kernel.BuiltKernel] = field(default_factory=dict)
+    _qemu: Path | None = None
     _base_initrd: dict[str, Path] = field(default_factory=dict)
 
     @classmethod
@@ -37,8 +41,35 @@ class RunContext:
     def arch(self) -> str:
         return PLATFORM_ARCH[self.platform]
 
-    def runner(self, platform: str | None = None) -> Runner:
-        return make_runner(platform or self.platform, self.shell, self.accel)
+    def runner(self, platform: str | None = None,
+               patched_qemu: bool | None = None) -> Runner:
+        platform = platform or self.platform
+        binary = self.qemu_binary(patched_qemu) if platform == "qemu" else STOCK_QEMU
+        return make_runner(platform, self.shell, self.accel, binary)
+
+    def balloon_runner(self, cfg: GuestConfig, zeroing: bool | None = None) -> Runner:
+        """The runner for a guest whose balloon zeroes reported and inflated
+        pages and says so (bits 6 and 7, proposed), or does not.
+
+        zeroing None: what the context stands for (freepage = the series on
+        the patched QEMU). QEMU: the patched build offers the bits, Debian's
+        cannot. UML: vhost-user-balloon offers them unless balloon_host()
+        passed it --no-init-bits.
+        """
+        if zeroing is None:
+            zeroing = self.patched and self.patched_qemu
+        if self.platform == "uml":
+            return self.runner()
+        cfg.device_init_reported = cfg.device_init_on_inflate = zeroing
+        return self.runner(patched_qemu=zeroing or self.patched_qemu)
+
+    def qemu_binary(self, patched: bool | None = None) -> Path:
+        """The QEMU to run: stock, or the patched build (built once, cached)."""
+        if not (self.patched_qemu if patched is None else patched):
+            return STOCK_QEMU
+        if self._qemu is None:
+            self._qemu = qemu_mod.build(self.shell).binary
+        return self._qemu
 
     def kernel(self, platform: str | None = None, patched: bool | None = None,
                extra_patches: tuple[str, ...] = ()) -> Path:

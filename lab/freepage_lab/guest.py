@@ -75,8 +75,10 @@ class Guest:
     """One guest process with its console captured line by line."""
 
     def __init__(self, name: str, argv: Sequence[str], log: Path, shell: Shell,
-                 cwd: Path | None = None) -> None:
+                 cwd: Path | None = None, interactive: bool = False) -> None:
         self.name = name
+        # stdin is a pipe (QEMU -serial stdio: the guest's console input)
+        self.interactive = interactive
         self.argv = [str(a) for a in argv]
         self.log_path = log
         self.shell = shell
@@ -96,7 +98,9 @@ class Guest:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self.proc = subprocess.Popen(
-                self.argv, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                self.argv, cwd=self.cwd,
+                stdin=subprocess.PIPE if self.interactive else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, start_new_session=True,
             )
         except FileNotFoundError as exc:
@@ -122,6 +126,18 @@ class Guest:
         with self._cond:
             self._eof = True
             self._cond.notify_all()
+
+    def send(self, text: str) -> None:
+        """Type a line on the guest's console (an interactive guest's stdin)."""
+        if self.shell.dry_run:
+            return
+        if self.proc is None or self.proc.stdin is None:
+            raise LabError(f"{self.name}: not started as an interactive guest")
+        try:
+            self.proc.stdin.write(text.encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError as exc:
+            raise self.error(f"console input failed ({exc})") from exc
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

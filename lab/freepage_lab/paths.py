@@ -9,6 +9,8 @@ REPO = Path(__file__).resolve().parents[2]
 KERNEL_DIR = REPO / "kernel"
 PATCH_DIR = KERNEL_DIR / "patches"
 CONFIG_DIR = KERNEL_DIR / "configs"
+QEMU_DIR = REPO / "qemu"
+QEMU_PATCH_DIR = QEMU_DIR / "patches"
 GUEST_DIR = REPO / "guest"
 BACKEND_DIR = REPO / "vhost-user-balloon"
 

@@ -26,6 +26,12 @@ class GuestConfig:
     balloon: bool = True
     free_page_reporting: bool = True
     free_page_hint: bool = False
+    # QEMU's balloon initializes reported / inflated pages and says so
+    # (feature bits 6 / 7, proposed, not allocated; patched QEMU only)
+    device_init_reported: bool = False
+    device_init_on_inflate: bool = False
+    # vhost-user-balloon daemon's socket: UML's virtio_uml device; under QEMU
+    # vhost-user-device-pci in place of virtio-balloon, RAM in a shared memfd
     vhost_user_balloon: Path | None = None
     qmp_socket: Path | None = None
     incoming: str | None = None
@@ -50,8 +56,8 @@ class Runner(ABC):
     def footprint_bytes(self, guest: Guest) -> int | None:
         """Host memory the guest's RAM costs right now (None: guest gone)."""
 
-    def guest(self, name: str, cfg: GuestConfig, log: Path) -> Guest:
-        return Guest(name, self.argv(cfg), log, self.shell)
+    def guest(self, name: str, cfg: GuestConfig, log: Path, interactive: bool = False) -> Guest:
+        return Guest(name, self.argv(cfg), log, self.shell, interactive=interactive)
 
 
 def rss_bytes(pid: int) -> int | None:
@@ -120,13 +126,32 @@ def kvm_usable() -> tuple[bool, str]:
     return True, "hardware KVM"
 
 
+# Debian's qemu-system-x86 (bookworm-backports: QEMU 10.0), found on PATH
+STOCK_QEMU = Path("qemu-system-x86_64")
+# A QEMU built from the +ds tarball has no firmware: it runs with Debian's
+# (option ROMs, SeaBIOS, iPXE), given with -L (a configured --firmwarepath
+# would be relocated into the build's qemu-bundle/)
+QEMU_FIRMWARE_DIRS = (Path("/usr/share/qemu"), Path("/usr/share/seabios"),
+                      Path("/usr/lib/ipxe/qemu"))
+# virtio-balloon's queues the vhost-user device carries: inflate, deflate,
+# stats, reporting (no free page hint); config: num_pages, actual,
+# free_page_hint_cmd_id, poison_val
+VHOST_USER_BALLOON_QUEUES = 4
+VHOST_USER_BALLOON_CONFIG = 16
+
+
 class QemuRunner(Runner):
-    """QEMU x86_64, TCG unless hardware KVM really works."""
+    """QEMU x86_64, TCG unless hardware KVM really works.
+
+    `binary`: Debian's QEMU (the stock baseline) or a build of qemu/patches
+    (freepage variants; given Debian's firmware directories with -L).
+    """
 
     name = "qemu"
 
-    def __init__(self, shell: Shell, accel: str = "auto") -> None:
+    def __init__(self, shell: Shell, accel: str = "auto", binary: Path = STOCK_QEMU) -> None:
         super().__init__(shell)
+        self.binary = binary
         if accel == "auto":
             ok, why = kvm_usable()
             accel = "kvm" if ok else "tcg"
@@ -143,24 +168,51 @@ class QemuRunner(Runner):
     def argv(self, cfg: GuestConfig) -> list[str]:
         append = " ".join(["console=ttyS0", "panic=-1", "fp.halt=reboot", "quiet",
                            "loglevel=4", *cfg.cmdline])
-        argv = ["qemu-system-x86_64", "-machine", f"pc,accel={self.accel}",
+        machine = f"pc,accel={self.accel}"
+        if cfg.vhost_user_balloon is not None:
+            # the daemon maps guest RAM: it must be a shared file
+            machine += ",memory-backend=mem"
+        argv = [str(self.binary), "-machine", machine,
                 "-cpu", cfg.cpu or ("max" if self.accel == "tcg" else "host"), "-smp", "1",
                 "-m", f"{cfg.mem_mib}M", "-kernel", str(cfg.kernel), "-initrd", str(cfg.initrd),
                 "-append", append, "-display", "none", "-monitor", "none",
                 "-serial", "stdio", "-no-reboot", "-nodefaults"]
-        if cfg.balloon:
-            dev = "virtio-balloon-pci,id=balloon0"
-            if cfg.free_page_reporting:
-                dev += ",free-page-reporting=on"
-            if cfg.free_page_hint:
-                argv += ["-object", "iothread,id=balloon-io"]
-                dev += ",free-page-hint=on,iothread=balloon-io"
-            argv += ["-device", dev]
+        if self.binary != STOCK_QEMU:
+            for d in QEMU_FIRMWARE_DIRS:
+                argv += ["-L", str(d)]
+        if cfg.vhost_user_balloon is not None:
+            argv += self.vhost_user_balloon_args(cfg)
+        elif cfg.balloon:
+            argv += self.balloon_args(cfg)
         if cfg.qmp_socket is not None:
             argv += ["-qmp", f"unix:{cfg.qmp_socket},server=on,wait=off"]
         if cfg.incoming is not None:
             argv += ["-incoming", cfg.incoming]
         return argv + cfg.extra_args
+
+    @staticmethod
+    def balloon_args(cfg: GuestConfig) -> list[str]:
+        argv = []
+        dev = "virtio-balloon-pci,id=balloon0"
+        if cfg.free_page_reporting:
+            dev += ",free-page-reporting=on"
+        if cfg.device_init_reported:
+            dev += ",device-init-reported=on"
+        if cfg.device_init_on_inflate:
+            dev += ",device-init-on-inflate=on"
+        if cfg.free_page_hint:
+            argv += ["-object", "iothread,id=balloon-io"]
+            dev += ",free-page-hint=on,iothread=balloon-io"
+        return argv + ["-device", dev]
+
+    @staticmethod
+    def vhost_user_balloon_args(cfg: GuestConfig) -> list[str]:
+        """vhost-user-device-pci (user creatable with qemu/patches) as a balloon."""
+        return ["-object", f"memory-backend-memfd,id=mem,size={cfg.mem_mib}M,share=on",
+                "-chardev", f"socket,id=vub,path={cfg.vhost_user_balloon}",
+                "-device", "vhost-user-device-pci,chardev=vub,virtio-id=5,"
+                f"num_vqs={VHOST_USER_BALLOON_QUEUES},vq_size=128,"
+                f"config_size={VHOST_USER_BALLOON_CONFIG}"]
 
     def footprint_bytes(self, guest: Guest) -> int | None:
         return rss_bytes(guest.pid)
@@ -211,11 +263,12 @@ PLATFORMS = ("uml", "qemu", "arm64")
 PLATFORM_ARCH = {"uml": "um", "qemu": "x86_64", "arm64": "arm64"}
 
 
-def make_runner(name: str, shell: Shell, accel: str = "auto") -> Runner:
+def make_runner(name: str, shell: Shell, accel: str = "auto",
+                qemu_binary: Path = STOCK_QEMU) -> Runner:
     if name == "uml":
         return UmlRunner(shell)
     if name == "qemu":
-        return QemuRunner(shell, accel)
+        return QemuRunner(shell, accel, qemu_binary)
     if name == "arm64":
         return Arm64Runner(shell, "tcg" if accel == "auto" else accel)
     raise LabError(f"unknown platform {name!r}: choose one of {', '.join(PLATFORMS)}")

@@ -4,10 +4,14 @@ from freepage_lab import cli
 from freepage_lab.shell import LabError, Shell
 
 
-@pytest.mark.parametrize("scenario", ["reclaim", "realloc", "migrate", "zeroskip"])
-def test_dry_run_prints_the_commands_and_runs_nothing(scenario, capsys, tmp_path, monkeypatch):
+@pytest.mark.parametrize("scenario,extra", [
+    ("reclaim", []), ("realloc", []), ("migrate", []),
+    ("zeroskip", []),
+])
+def test_dry_run_prints_the_commands_and_runs_nothing(scenario, extra, capsys, tmp_path,
+                                                      monkeypatch):
     monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
-    assert cli.main(["--dry-run", "run", scenario, "--vanilla", "--accel", "tcg"]) == 0
+    assert cli.main(["--dry-run", "run", scenario, "--vanilla", "--accel", "tcg", *extra]) == 0
     err = capsys.readouterr().err
     assert "$ make -C" in err and "tinyconfig" in err
     assert "$ qemu-system-x86_64 -machine pc,accel=tcg" in err
@@ -34,3 +38,23 @@ def test_medians_flattens_result_trees():
             "reclaim": {"median": {"t50_s": 1.5, "t90_s": None}}}
     assert cli.medians(tree) == {"realloc.modes.thp.populate_ms.backed.median": 2.0,
                                  "reclaim.median.t50_s": 1.5}
+
+
+def test_dry_run_with_patched_qemu_builds_it_and_runs_it(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path / "cache"))
+    assert cli.main(["--dry-run", "boot", "--vanilla", "--accel", "tcg", "--patched-qemu"]) == 0
+    err = capsys.readouterr().err
+    assert "configure --target-list=x86_64-softmmu" in err
+    built = [ln for ln in err.splitlines() if ln.startswith("$ ") and "/qemu-system-x86_64 " in ln]
+    assert built and "-L /usr/share/seabios" in built[0]
+    assert not (tmp_path / "cache" / "qemu").exists()
+
+
+def test_series_check_qemu_is_the_qemu_queue(capsys, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cli.qemu, "check", lambda shell, series: calls.append(series.names)
+                        or cli.StageResult("check qemu", "ok", 0.0))
+    assert cli.main(["series", "check", "--qemu"]) == 0
+    assert cli.main(["qemu", "check"]) == 0
+    assert len(calls) == 2 and calls[0] == calls[1] == cli.qemu.load_series().names

@@ -47,3 +47,13 @@ def test_guest_that_dies_without_marker(tmp_path):
     with replay(tmp_path, log, "sys.exit(3)\n") as g:
         with pytest.raises(GuestError, match="stopped before"):
             g.wait_exit(10)
+
+
+def test_interactive_guest_reads_what_the_host_types(tmp_path):
+    code = "import sys\nline = sys.stdin.readline()\nprint('got', line.strip(), flush=True)\n"
+    g = Guest("echo", [sys.executable, "-c", code], tmp_path / "console.log", Shell(quiet=True),
+              interactive=True)
+    with g:
+        g.send("go")
+        _, line, _ = g.wait_for(r"^got ", 10)
+    assert line.text == "got go"

@@ -54,3 +54,31 @@ def test_auto_accel_is_tcg_without_hardware_kvm(monkeypatch):
     r = QemuRunner(Shell(), accel="auto")
     assert r.accel == "tcg"
     assert "no /dev/kvm" in r.accel_reason
+
+
+def test_qemu_stock_binary_is_found_on_path_and_needs_no_firmware_dirs():
+    argv = QemuRunner(Shell(), accel="tcg").argv(cfg())
+    assert argv[0] == str(runners.STOCK_QEMU) == "qemu-system-x86_64"
+    assert "-L" not in argv
+
+
+def test_qemu_patched_binary_takes_debian_firmware_and_init_bits():
+    r = QemuRunner(Shell(), accel="tcg", binary=Path("/cache/qemu/build/qemu-system-x86_64"))
+    argv = r.argv(cfg(device_init_reported=True, device_init_on_inflate=True))
+    assert argv[0] == "/cache/qemu/build/qemu-system-x86_64"
+    dirs = [argv[i + 1] for i, a in enumerate(argv) if a == "-L"]
+    assert dirs == ["/usr/share/qemu", "/usr/share/seabios", "/usr/lib/ipxe/qemu"]
+    assert ("virtio-balloon-pci,id=balloon0,free-page-reporting=on,device-init-reported=on,"
+            "device-init-on-inflate=on") in argv
+
+
+def test_qemu_vhost_user_balloon_replaces_virtio_balloon_and_shares_ram():
+    argv = QemuRunner(Shell(), accel="tcg").argv(cfg(
+        mem_mib=1024, vhost_user_balloon=Path("/run/b.sock")))
+    assert not any(a.startswith("virtio-balloon") for a in argv)
+    assert argv[argv.index("-machine") + 1] == "pc,accel=tcg,memory-backend=mem"
+    assert "memory-backend-memfd,id=mem,size=1024M,share=on" in argv
+    assert "socket,id=vub,path=/run/b.sock" in argv
+    dev = argv[argv.index("-device") + 1]
+    assert dev.startswith("vhost-user-device-pci,chardev=vub,virtio-id=5,")
+    assert "num_vqs=4" in dev and "config_size=16" in dev

@@ -15,7 +15,7 @@ use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
 use virtio_queue::{DescriptorChain, QueueOwnedT, QueueT};
 use vm_memory::{
     Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryLoadGuard,
-    GuestMemoryMmap, GuestMemoryRegion,
+    GuestMemoryRegion,
 };
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
@@ -23,7 +23,7 @@ use vmm_sys_util::event::{
 };
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::discard::Discarder;
+use crate::discard::{self, treat_range, Discarder, GuestMem, LogBitmap, Treatment};
 use crate::metrics::{add, Metrics};
 use crate::ranges::{self, BalloonConfig, GuestRange, Plan, RegionInfo, RejectReason, Stat};
 use crate::shim::BackendChannel;
@@ -41,8 +41,8 @@ pub const MAX_STATS_BYTES: usize = 64 * 1024;
 /// Upper bound of descriptors in one report.
 pub const MAX_REPORT_DESCS: usize = 1024;
 
-type GM = GuestMemoryAtomic<GuestMemoryMmap>;
-type Mem = GuestMemoryLoadGuard<GuestMemoryMmap>;
+type GM = GuestMemoryAtomic<GuestMem>;
+type Mem = GuestMemoryLoadGuard<GuestMem>;
 
 /// Error of this module.
 #[derive(Debug, Error)]
@@ -95,10 +95,14 @@ pub struct DeviceFeatures {
     pub page_poison: bool,
     /// Offer VIRTIO_BALLOON_F_REPORTING.
     pub reporting: bool,
-    /// Offer the freepage bits 6 and 7 (only if the discarder leaves zeroes).
-    pub zero_bits: bool,
+    /// Offer the proposed bits 6 (DEVICE_INIT_REPORTED) and 7
+    /// (DEVICE_INIT_ON_INFLATE), if the discarder releases memory.
+    pub init_bits: bool,
     /// Offer VHOST_USER_PROTOCOL_F_BACKEND_REQ (config change notifications).
     pub backend_req: bool,
+    /// Offer VHOST_F_LOG_ALL with VHOST_USER_PROTOCOL_F_LOG_SHMFD (dirty
+    /// logging for migration). Never one without the other.
+    pub dirty_log: bool,
 }
 
 impl Default for DeviceFeatures {
@@ -109,15 +113,18 @@ impl Default for DeviceFeatures {
             deflate_on_oom: true,
             page_poison: true,
             reporting: true,
-            zero_bits: true,
+            init_bits: true,
             backend_req: true,
+            dirty_log: true,
         }
     }
 }
 
 impl DeviceFeatures {
-    /// Virtio feature bits offered on GET_FEATURES.
-    pub fn virtio_features(&self, discarder_leaves_zeroes: bool) -> u64 {
+    /// Virtio feature bits offered on GET_FEATURES. Bits 6 and 7 need a
+    /// discarder that releases memory (`--discard none` keeps every page
+    /// as it is, so it does not offer them).
+    pub fn virtio_features(&self, releases_memory: bool) -> u64 {
         let mut f = bit(spec::F_VERSION_1) | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
         let mut set = |on: bool, b: u32| {
             if on {
@@ -129,17 +136,27 @@ impl DeviceFeatures {
         set(self.deflate_on_oom, spec::F_DEFLATE_ON_OOM);
         set(self.page_poison, spec::F_PAGE_POISON);
         set(self.reporting, spec::F_REPORTING);
-        let zero = self.zero_bits && discarder_leaves_zeroes;
-        set(zero && self.reporting, spec::F_REPORTED_READS_ZERO);
-        set(zero, spec::F_DEFLATED_READS_ZERO);
+        let init = self.init_bits && releases_memory;
+        set(init && self.reporting, spec::F_DEVICE_INIT_REPORTED);
+        set(init, spec::F_DEVICE_INIT_ON_INFLATE);
+        // LOG_ALL only together with LOG_SHMFD (protocol_features()): a
+        // frontend that migrates must get every discard and fill in its log,
+        // or the destination keeps stale pages the guest was told are
+        // initialized.
+        set(self.dirty_log, spec::F_LOG_ALL);
         f
     }
 
     /// vhost-user protocol features offered.
     pub fn protocol_features(&self) -> VhostUserProtocolFeatures {
-        let mut p = VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::REPLY_ACK;
+        let mut p = VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::RESET_DEVICE;
         if self.backend_req {
             p |= VhostUserProtocolFeatures::BACKEND_REQ;
+        }
+        if self.dirty_log {
+            p |= VhostUserProtocolFeatures::LOG_SHMFD;
         }
         p
     }
@@ -248,17 +265,28 @@ impl DeviceState {
         self.lock().connected
     }
 
-    /// Whether the zero guarantees of bits 6/7 are in force right now: the
-    /// bit was negotiated and PAGE_POISON is not in use with a non-zero
-    /// poison value.
-    pub fn zero_guarantees(&self) -> (bool, bool) {
+    /// Whether the device initializes reported pages (bit 6 negotiated) and
+    /// inflated pages (bit 7 negotiated and no non-zero `poison_val`: then
+    /// inflated pages are released and left out of the bitmap).
+    pub fn init_guarantees(&self) -> (bool, bool) {
         let g = self.lock();
         let f = g.acked_features;
         let poisoned = has(f, spec::F_PAGE_POISON) && g.config.poison_val != 0;
         (
-            has(f, spec::F_REPORTED_READS_ZERO) && !poisoned,
-            has(f, spec::F_DEFLATED_READS_ZERO),
+            has(f, spec::F_DEVICE_INIT_REPORTED),
+            has(f, spec::F_DEVICE_INIT_ON_INFLATE) && !poisoned,
         )
+    }
+
+    /// The value pages are initialized to: `poison_val` when PAGE_POISON
+    /// is negotiated, zero otherwise.
+    pub fn init_pattern(&self) -> u32 {
+        let g = self.lock();
+        if has(g.acked_features, spec::F_PAGE_POISON) {
+            g.config.poison_val
+        } else {
+            0
+        }
     }
 
     /// Sets the balloon target and tells the frontend (config change
@@ -323,11 +351,13 @@ impl DeviceState {
         self.stats_cond.notify_all();
     }
 
-    /// Called when a new frontend connects: per-connection state is reset
-    /// (the target and the counters are kept).
+    /// Called when a new frontend connects: per-connection state is reset.
+    /// The target, the counters and the driver-written config fields
+    /// (`actual`, `poison_val`) are kept: they are guest state, and a
+    /// frontend that reconnects (QEMU with a reconnecting chardev) does not
+    /// make the guest write them again.
     pub fn connection_started(&self, offered: u64) {
         let mut g = self.lock();
-        g.config = BalloonConfig::default();
         g.acked_features = 0;
         g.offered_features = offered;
         g.connected = true;
@@ -335,6 +365,31 @@ impl DeviceState {
         drop(g);
         self.acked_protocol.store(0, Ordering::Relaxed);
         add(&self.metrics.connections, 1);
+    }
+
+    /// Records a SET_FEATURES. `poison_val` only means something with
+    /// PAGE_POISON, and a driver that negotiates PAGE_POISON writes it while
+    /// it probes (before or after this message, depending on the frontend:
+    /// QEMU forwards the config write before it starts the backend), so it is
+    /// cleared only when the new features lack PAGE_POISON.
+    pub fn features_negotiated(&self, features: u64) {
+        let mut g = self.lock();
+        g.acked_features = features;
+        if !has(features, spec::F_PAGE_POISON) && g.config.poison_val != 0 {
+            info!("PAGE_POISON not negotiated: poison_val cleared");
+            g.config.poison_val = 0;
+        }
+    }
+
+    /// A device reset (VHOST_USER_RESET_DEVICE): the driver-written config
+    /// fields go back to their initial value; the driver that follows writes
+    /// them again.
+    pub fn device_reset(&self) {
+        let mut g = self.lock();
+        g.acked_features = 0;
+        g.config.actual = 0;
+        g.config.poison_val = 0;
+        info!("device reset: actual and poison_val cleared");
     }
 
     /// Records the frontend's backend request channel (from the shim).
@@ -369,7 +424,7 @@ pub struct BalloonBackend {
 /// Reads the device-readable part of a chain, at most `max` bytes.
 fn read_chain(
     chain: &DescriptorChain<Mem>,
-    mem: &GuestMemoryMmap,
+    mem: &GuestMem,
     max: usize,
 ) -> Result<Vec<u8>, BackendError> {
     let mut out = Vec::new();
@@ -393,8 +448,58 @@ fn read_chain(
     Ok(out)
 }
 
+/// Logs the `n`-th occurrence of a guest-caused problem at `warn` when `n`
+/// is a power of two (1, 2, 4, ...) and at `debug` otherwise, so that a guest
+/// cannot flood the log.
+fn log_sparse(n: u64, msg: &str) {
+    if n.is_power_of_two() {
+        warn!("{msg} ({n} so far)");
+    } else {
+        debug!("{msg} ({n} so far)");
+    }
+}
+
+/// Total length of the device-writable descriptors of a chain.
+fn writable_len(chain: &DescriptorChain<Mem>) -> u64 {
+    chain
+        .clone()
+        .filter(|d| d.is_write_only())
+        .map(|d| u64::from(d.len()))
+        .sum()
+}
+
+/// Writes `data` into the device-writable descriptors of a chain, in order.
+/// The caller checked that they are long enough.
+fn write_chain(
+    chain: &DescriptorChain<Mem>,
+    mem: &GuestMem,
+    data: &[u8],
+) -> Result<(), BackendError> {
+    let mut rest = data;
+    for desc in chain.clone().filter(|d| d.is_write_only()) {
+        if rest.is_empty() {
+            break;
+        }
+        let n = usize::try_from(desc.len())
+            .unwrap_or(usize::MAX)
+            .min(rest.len());
+        mem.write_slice(&rest[..n], desc.addr()).map_err(|e| {
+            BackendError::BadChain(format!("descriptor {:#x}+{n}: {e}", desc.addr().0))
+        })?;
+        rest = &rest[n..];
+    }
+    if rest.is_empty() {
+        Ok(())
+    } else {
+        Err(BackendError::BadChain(format!(
+            "{} bytes did not fit in the writable descriptors",
+            rest.len()
+        )))
+    }
+}
+
 /// The guest memory regions as validation input.
-pub fn region_infos(mem: &GuestMemoryMmap) -> Vec<RegionInfo> {
+pub fn region_infos(mem: &GuestMem) -> Vec<RegionInfo> {
     mem.iter()
         .map(|r| RegionInfo {
             gpa: r.start_addr().0,
@@ -410,7 +515,7 @@ impl BalloonBackend {
         discarder: Arc<dyn Discarder>,
         features: DeviceFeatures,
     ) -> Self {
-        let virtio = features.virtio_features(discarder.leaves_zeroes());
+        let virtio = features.virtio_features(discarder.releases_memory());
         state.connection_started(virtio);
         Self {
             inner: Arc::new(Inner {
@@ -438,6 +543,17 @@ impl BalloonBackend {
         &self.inner.state.metrics
     }
 
+    /// Counts an ignored kick; logs the first one and then every time the
+    /// count reaches a power of two (a guest must not flood the log).
+    fn bad_kick(&self, e: &BackendError) {
+        let n = self
+            .metrics()
+            .bad_queue_kicks
+            .fetch_add(1, Ordering::Relaxed)
+            + 1;
+        log_sparse(n, &format!("kick ignored: {e}"));
+    }
+
     fn count_rejects(&self, plan: &Plan, what: &str) {
         for (r, why) in &plan.rejects {
             self.metrics().reject(*why);
@@ -445,23 +561,44 @@ impl BalloonBackend {
         }
     }
 
-    fn discard_ranges(&self, mem: &GuestMemoryMmap, plan: &Plan, zero_fill: bool) {
+    /// Applies `t` to every valid range of `plan`; returns the parts that
+    /// `t` promised to initialize and that could not be. Every range the
+    /// device changed is marked in the frontend's dirty log; while the
+    /// frontend migrates (LOG_ALL) a range the log did not record counts as
+    /// not initialized, since the destination would not get it.
+    fn treat_ranges(&self, mem: &GuestMem, plan: &Plan, t: Treatment) -> Vec<GuestRange> {
         let m = self.metrics();
+        let migrating = has(self.acked(), spec::F_LOG_ALL);
+        let mut uninitialized = Vec::new();
         for (_, r) in &plan.ranges {
-            let t = Instant::now();
-            match self.inner.discarder.discard(mem, *r, zero_fill) {
-                Ok(o) => {
-                    add(&m.discarded_bytes, o.discarded);
-                    add(&m.zero_filled_bytes, o.zero_filled);
-                    add(&m.partial_page_skipped_bytes, o.skipped);
-                }
-                Err(e) => {
-                    add(&m.discard_errors, 1);
-                    warn!("discard failed: {e}");
+            let t0 = Instant::now();
+            let (mut o, err) = treat_range(self.inner.discarder.as_ref(), mem, *r, t);
+            if o.discarded + o.zero_filled + o.pattern_filled > 0 {
+                let logged = discard::mark_dirty(mem, *r);
+                if migrating && !logged && t != Treatment::Release {
+                    add(&m.dirty_log_misses, 1);
+                    warn!(
+                        "LOG_ALL negotiated but no dirty log for {:#x}+{:#x}: \
+                         not acknowledged as initialized",
+                        r.gpa, r.len
+                    );
+                    o.uninitialized = vec![*r];
                 }
             }
-            m.record_discard_latency(t.elapsed());
+            m.record_discard_latency(t0.elapsed());
+            if let Some(e) = err {
+                warn!("range {:#x}+{:#x}: {e}", r.gpa, r.len);
+            }
+            add(&m.discarded_bytes, o.discarded);
+            add(&m.zero_filled_bytes, o.zero_filled);
+            add(&m.poison_filled_bytes, o.pattern_filled);
+            add(&m.partial_page_skipped_bytes, o.skipped);
+            add(&m.discard_errors, o.discard_errors);
+            add(&m.fill_errors, o.fill_errors);
+            add(&m.uninitialized_bytes, o.uninitialized_bytes());
+            uninitialized.extend(o.uninitialized);
         }
+        uninitialized
     }
 
     /// Pops every available chain, lets `f` handle it, returns the ones `f`
@@ -487,63 +624,120 @@ impl BalloonBackend {
     }
 
     /// inflateq: PFNs of pages the guest gives up. They are discarded on the
-    /// host (coalesced into ranges first).
+    /// host (coalesced into ranges first). Under bit 7 the chain ends with a
+    /// device-writable bitmap that tells the driver which pages were
+    /// initialized (zeroed); with a non-zero `poison_val` the pages are still
+    /// released but none is reported initialized (filling them would keep
+    /// the memory the balloon is meant to give back).
     pub fn process_inflate(&self, vring: &VringRwLock<GM>) -> Result<(), BackendError> {
-        let zero = has(self.acked(), spec::F_DEFLATED_READS_ZERO);
+        let bitmap = has(self.acked(), spec::F_DEVICE_INIT_ON_INFLATE);
+        let zeroed = bitmap && self.inner.state.init_pattern() == 0;
+        let t = if zeroed {
+            Treatment::ReleaseZeroed
+        } else {
+            Treatment::Release
+        };
         self.drain_queue(vring, |mem, chain| {
-            self.handle_pfn_chain(mem, &chain, true, zero);
-            Some(0)
+            let done = self.handle_pfn_chain(mem, &chain, true, t);
+            if !bitmap {
+                return Some(0);
+            }
+            Some(self.write_inflate_bitmap(mem, &chain, done, zeroed))
         })
     }
 
+    /// Writes the bit 7 bitmap of an inflate chain; returns the used length.
+    fn write_inflate_bitmap(
+        &self,
+        mem: &GuestMem,
+        chain: &DescriptorChain<Mem>,
+        done: Option<PfnChain>,
+        zeroed: bool,
+    ) -> u32 {
+        let m = self.metrics();
+        let Some(done) = done else {
+            // unreadable chain: no PFNs known, nothing to report
+            add(&m.inflate_bitmap_errors, 1);
+            return 0;
+        };
+        let map = if zeroed {
+            ranges::inflate_bitmap(&done.pfns, &region_infos(mem), &done.uninitialized)
+        } else {
+            vec![0u8; spec::inflate_bitmap_len(done.pfns.len())]
+        };
+        let set: u32 = map.iter().map(|b| b.count_ones()).sum();
+        let len = u32::try_from(map.len()).unwrap_or(u32::MAX);
+        let res = if writable_len(chain) < u64::from(len) {
+            Err(BackendError::BadChain(format!(
+                "no room for the {len}-byte bitmap of {} PFNs",
+                done.pfns.len()
+            )))
+        } else {
+            write_chain(chain, mem, &map)
+        };
+        if let Err(e) = res {
+            // e.g. a driver that negotiated bit 7 under its older reading
+            // and sends no bitmap: one line per chain would flood the log
+            let n = m.inflate_bitmap_errors.fetch_add(1, Ordering::Relaxed) + 1;
+            add(&m.pfns_not_initialized, done.pfns.len() as u64);
+            log_sparse(n, &format!("inflate: {e}"));
+            return 0;
+        }
+        add(
+            &m.pfns_not_initialized,
+            done.pfns.len() as u64 - u64::from(set),
+        );
+        len
+    }
+
     /// deflateq: PFNs the guest takes back. Nothing to do on the host: the
-    /// pages were discarded on inflate and fault back in (as zeroes) on
-    /// first touch, which is what bit 7 promises.
+    /// pages were discarded on inflate and fault back in on first touch.
     pub fn process_deflate(&self, vring: &VringRwLock<GM>) -> Result<(), BackendError> {
         self.drain_queue(vring, |mem, chain| {
-            self.handle_pfn_chain(mem, &chain, false, false);
+            self.handle_pfn_chain(mem, &chain, false, Treatment::Release);
             Some(0)
         })
     }
 
     fn handle_pfn_chain(
         &self,
-        mem: &GuestMemoryMmap,
+        mem: &GuestMem,
         chain: &DescriptorChain<Mem>,
         inflate: bool,
-        zero: bool,
-    ) {
+        t: Treatment,
+    ) -> Option<PfnChain> {
         let m = self.metrics();
         let what = if inflate { "inflate" } else { "deflate" };
-        let bytes = match read_chain(chain, mem, MAX_PFN_BYTES) {
-            Ok(b) => b,
-            Err(e) => {
-                m.reject(RejectReason::Malformed);
-                warn!("{what}: {e}");
-                return;
-            }
-        };
-        match ranges::plan_pfn_buffer(&bytes, &region_infos(mem)) {
-            Err(e) => {
-                m.reject(RejectReason::Malformed);
-                warn!("{what}: {e}");
-            }
-            Ok((plan, n)) => {
-                let n = n as u64;
-                if inflate {
-                    add(&m.inflate_requests, 1);
-                    add(&m.inflated_pages, n);
-                } else {
-                    add(&m.deflate_requests, 1);
-                    add(&m.deflated_pages, n);
+        let pfns =
+            match read_chain(chain, mem, MAX_PFN_BYTES).and_then(|b| Ok(ranges::parse_pfns(&b)?)) {
+                Ok(p) => p,
+                Err(e) => {
+                    m.reject(RejectReason::Malformed);
+                    warn!("{what}: {e}");
+                    return None;
                 }
-                debug!("{what}: {n} pages in {} ranges", plan.ranges.len());
-                self.count_rejects(&plan, what);
-                if inflate {
-                    self.discard_ranges(mem, &plan, zero);
-                }
-            }
+            };
+        let regions = region_infos(mem);
+        let plan = ranges::plan(&ranges::pfns_to_ranges(&pfns), &regions, PAGE_SIZE);
+        let n = pfns.len() as u64;
+        if inflate {
+            add(&m.inflate_requests, 1);
+            add(&m.inflated_pages, n);
+        } else {
+            add(&m.deflate_requests, 1);
+            add(&m.deflated_pages, n);
         }
+        debug!("{what}: {n} pages in {} ranges", plan.ranges.len());
+        self.count_rejects(&plan, what);
+        let uninitialized = if inflate {
+            self.treat_ranges(mem, &plan, t)
+        } else {
+            Vec::new()
+        };
+        Some(PfnChain {
+            pfns,
+            uninitialized,
+        })
     }
 
     /// statsq: keep the latest statistics and hold the buffer; it is given
@@ -625,13 +819,23 @@ impl BalloonBackend {
     }
 
     /// reporting_vq: every descriptor is a free guest range; discard it and
-    /// acknowledge the chain.
+    /// return the chain. Under bit 6 the device initializes every page
+    /// (discard, and zero-fill what could not be discarded; or fill with
+    /// `poison_val` under PAGE_POISON) and returns used length = total length
+    /// only when all of it was initialized, 0 otherwise.
     pub fn process_reporting(&self, vring: &VringRwLock<GM>) -> Result<(), BackendError> {
-        let acked = self.acked();
-        let poison = has(acked, spec::F_PAGE_POISON) && self.inner.state.config().poison_val != 0;
-        let zero = has(acked, spec::F_REPORTED_READS_ZERO);
+        let init = has(self.acked(), spec::F_DEVICE_INIT_REPORTED);
+        let pattern = self.inner.state.init_pattern();
+        // None: keep the pages as they are
+        let t = match (init, pattern) {
+            (true, 0) => Some(Treatment::ReleaseZeroed),
+            (true, p) => Some(Treatment::Fill(p)),
+            (false, 0) => Some(Treatment::Release),
+            (false, _) => None,
+        };
         self.drain_queue(vring, |mem, chain| {
             let m = self.metrics();
+            let lens: Vec<u32> = chain.clone().map(|d| d.len()).collect();
             let descs: Vec<GuestRange> = chain
                 .clone()
                 .take(MAX_REPORT_DESCS)
@@ -642,21 +846,41 @@ impl BalloonBackend {
             let plan = ranges::plan(&descs, &region_infos(mem), PAGE_SIZE);
             self.count_rejects(&plan, "report");
             add(&m.reported_bytes, plan.valid_bytes());
-            if poison {
-                // virtio 1.2 5.5.6.7: with PAGE_POISON negotiated the device
-                // must not change reported pages to anything but poison_val;
-                // discarding would make them zero, so keep them.
-                add(&m.poison_skipped_bytes, plan.valid_bytes());
-            } else {
-                self.discard_ranges(mem, &plan, zero);
+            let uninitialized = match t {
+                Some(t) => self.treat_ranges(mem, &plan, t),
+                None => {
+                    // virtio 1.2 5.5.6.7: with PAGE_POISON negotiated the
+                    // device must not change reported pages to anything but
+                    // poison_val; discarding would make them zero.
+                    add(&m.poison_skipped_bytes, plan.valid_bytes());
+                    Vec::new()
+                }
+            };
+            if !init {
+                return Some(0);
             }
-            Some(0)
+            let all =
+                plan.rejects.is_empty() && uninitialized.is_empty() && descs.len() == lens.len();
+            let used = ranges::report_used_len(&lens, all);
+            if used == 0 {
+                add(&m.reports_not_initialized, 1);
+                debug!("report not initialized (rejected or failed ranges)");
+            }
+            Some(used)
         })
     }
 }
 
+/// What the PFN handler learnt about a chain.
+struct PfnChain {
+    /// The PFNs, in chain order.
+    pfns: Vec<u32>,
+    /// Parts that the treatment promised to initialize and could not.
+    uninitialized: Vec<GuestRange>,
+}
+
 impl VhostUserBackend for BalloonBackend {
-    type Bitmap = ();
+    type Bitmap = LogBitmap;
     type Vring = VringRwLock<GM>;
 
     fn num_queues(&self) -> usize {
@@ -674,10 +898,14 @@ impl VhostUserBackend for BalloonBackend {
     fn acked_features(&self, features: u64) {
         info!("negotiated virtio features {features:#x}");
         // (Re)negotiation starts a new driver instance: whatever buffer we
-        // held belongs to the old rings.
-        self.drop_held_stats();
+        // held belongs to the old rings. A frontend that only turns dirty
+        // logging on or off (migration) keeps the driver and its rings.
+        let log = spec::bit(spec::F_LOG_ALL);
+        if (self.acked() | log) != (features | log) {
+            self.drop_held_stats();
+        }
         self.inner.acked.store(features, Ordering::Relaxed);
-        self.inner.state.lock().acked_features = features;
+        self.inner.state.features_negotiated(features);
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
@@ -690,6 +918,8 @@ impl VhostUserBackend for BalloonBackend {
             .stats_head
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = None;
+        self.inner.acked.store(0, Ordering::Relaxed);
+        self.inner.state.device_reset();
     }
 
     fn set_event_idx(&self, _enabled: bool) {}
@@ -711,18 +941,28 @@ impl VhostUserBackend for BalloonBackend {
         let state = &self.inner.state;
         let mut g = state.lock();
         match g.config.apply_write(offset, buf) {
-            Ok(c) => {
+            Ok(w) => {
+                let c = w.config;
+                if w.ignored > 0 {
+                    debug!(
+                        "config write at {offset}+{}: {} bytes of device-owned fields ignored",
+                        buf.len(),
+                        w.ignored
+                    );
+                }
                 if c.poison_val != g.config.poison_val {
                     info!("guest set poison_val {:#x}", c.poison_val);
                     let f = g.acked_features;
-                    if c.poison_val != 0
-                        && has(f, spec::F_PAGE_POISON)
-                        && has(f, spec::F_REPORTED_READS_ZERO)
-                    {
-                        warn!(
-                            "guest negotiated REPORTED_READS_ZERO and PAGE_POISON with poison_val {:#x}: \
-                             reported pages will be kept, not discarded",
-                            c.poison_val
+                    if c.poison_val != 0 && has(f, spec::F_PAGE_POISON) {
+                        info!(
+                            "PAGE_POISON with poison_val {:#x}: reported pages are {}, \
+                             inflated pages are released but not reported initialized",
+                            c.poison_val,
+                            if has(f, spec::F_DEVICE_INIT_REPORTED) {
+                                "filled with it"
+                            } else {
+                                "kept"
+                            }
                         );
                     }
                 }
@@ -784,10 +1024,24 @@ impl VhostUserBackend for BalloonBackend {
             return Ok(());
         }
         let idx = usize::from(device_event);
-        let vring = vrings
-            .get(idx)
-            .ok_or(BackendError::UnexpectedEvent(device_event, evset))?;
-        let res = match spec::queue_role(acked, idx).map_err(BackendError::from)? {
+        let found = match spec::queue_role(acked, idx) {
+            Ok(role) => vrings
+                .get(idx)
+                .map(|v| (v, role))
+                .ok_or(BackendError::UnexpectedEvent(device_event, evset)),
+            Err(e) => Err(BackendError::from(e)),
+        };
+        let (vring, role) = match found {
+            Ok(v) => v,
+            Err(e) => {
+                // A kick on a ring that does not exist for the negotiated
+                // features. Returning an error would end this worker thread
+                // and no queue would ever be served again: ignore it.
+                self.bad_kick(&e);
+                return Ok(());
+            }
+        };
+        let res = match role {
             QueueRole::Inflate => self.process_inflate(vring),
             QueueRole::Deflate => self.process_deflate(vring),
             QueueRole::Stats => self.process_stats(vring),
@@ -799,5 +1053,30 @@ impl VhostUserBackend for BalloonBackend {
             self.metrics().reject(RejectReason::Malformed);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_all_is_offered_only_with_log_shmfd() {
+        let on = DeviceFeatures::default();
+        assert!(has(on.virtio_features(true), spec::F_LOG_ALL));
+        assert!(on
+            .protocol_features()
+            .contains(VhostUserProtocolFeatures::LOG_SHMFD));
+        let off = DeviceFeatures {
+            dirty_log: false,
+            ..on
+        };
+        assert!(!has(off.virtio_features(true), spec::F_LOG_ALL));
+        assert!(!off
+            .protocol_features()
+            .contains(VhostUserProtocolFeatures::LOG_SHMFD));
+        // bits 6/7 need a discarder that releases memory
+        let f = on.virtio_features(false);
+        assert!(!has(f, spec::F_DEVICE_INIT_REPORTED) && !has(f, spec::F_DEVICE_INIT_ON_INFLATE));
     }
 }

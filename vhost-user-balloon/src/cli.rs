@@ -13,7 +13,8 @@ pub enum DiscardMode {
     /// Punch holes in the shared memory file (fallocate PUNCH_HOLE|KEEP_SIZE;
     /// falls back to madvise(MADV_REMOVE)); huge-page aligned on hugetlbfs.
     Auto,
-    /// Never discard (pages stay populated); feature bits 6/7 are not offered.
+    /// Never discard (pages stay populated and untouched); the proposed
+    /// feature bits 6/7 are not offered.
     None,
 }
 
@@ -87,15 +88,21 @@ pub struct Args {
     #[arg(long)]
     pub no_page_poison: bool,
 
-    /// Do not offer the proposed freepage bits 6 (REPORTED_READS_ZERO) and
-    /// 7 (DEFLATED_READS_ZERO).
-    #[arg(long)]
-    pub no_zero_bits: bool,
+    /// Do not offer the proposed bits 6 (DEVICE_INIT_REPORTED) and 7
+    /// (DEVICE_INIT_ON_INFLATE). `--no-zero-bits` is the old name.
+    #[arg(long, alias = "no-zero-bits")]
+    pub no_init_bits: bool,
 
     /// Do not offer VHOST_USER_PROTOCOL_F_BACKEND_REQ; the guest then only
     /// learns a new target when it re-reads the config space itself.
     #[arg(long)]
     pub no_backend_req: bool,
+
+    /// Do not offer VHOST_F_LOG_ALL and VHOST_USER_PROTOCOL_F_LOG_SHMFD
+    /// (dirty logging). A frontend then cannot migrate a VM with this device
+    /// (QEMU registers a migration blocker).
+    #[arg(long)]
+    pub no_dirty_log: bool,
 
     /// How pages are given back to the host.
     #[arg(long, value_enum, value_name = "MODE", default_value_t = DiscardMode::Auto)]
@@ -180,8 +187,9 @@ impl TryFrom<Args> for Config {
                 deflate_on_oom: !a.no_deflate_on_oom,
                 page_poison: !a.no_page_poison,
                 reporting: !a.no_reporting,
-                zero_bits: !a.no_zero_bits && a.discard != DiscardMode::None,
+                init_bits: !a.no_init_bits && a.discard != DiscardMode::None,
                 backend_req: !a.no_backend_req,
+                dirty_log: !a.no_dirty_log,
             },
             discard: a.discard,
             log_level: a.log_level,
@@ -214,23 +222,28 @@ mod tests {
             "/tmp/x.sock",
             "--no-stats",
             "--no-reporting",
+            "--no-dirty-log",
             "--discard",
             "none",
         ])
         .unwrap();
+        assert!(!c.features.dirty_log);
         assert!(!c.features.stats);
         assert!(!c.features.reporting);
-        assert!(!c.features.zero_bits, "discard none implies no zero bits");
+        assert!(!c.features.init_bits, "discard none implies no init bits");
         let c = parse(&[
             "-s",
             "/tmp/x.sock",
-            "--no-zero-bits",
+            "--no-init-bits",
             "--initial-target",
             "7",
         ])
         .unwrap();
-        assert!(!c.features.zero_bits);
+        assert!(!c.features.init_bits);
         assert_eq!(c.initial_target, 7);
+        // the old name still works (the lab uses it)
+        let c = parse(&["-s", "/tmp/x.sock", "--no-zero-bits"]).unwrap();
+        assert!(!c.features.init_bits);
     }
 
     #[test]

@@ -104,7 +104,7 @@ pub fn handle_line(state: &DeviceState, line: &str) -> String {
         }
         Command::GetCounters => {
             let acked = state.acked_features();
-            let (rz, dz) = state.zero_guarantees();
+            let (reported, inflate) = state.init_guarantees();
             let cfg = state.config();
             json!({
                 "ok": true,
@@ -118,7 +118,10 @@ pub fn handle_line(state: &DeviceState, line: &str) -> String {
                     "negotiated_names": spec::feature_names(acked),
                     "protocol_negotiated": hex(state.acked_protocol_features()),
                 },
-                "zero_guarantees": {"reported_reads_zero": rz, "deflated_reads_zero": dz},
+                "init_guarantees": {
+                    "device_init_reported": reported,
+                    "device_init_on_inflate": inflate,
+                },
                 "counters": state.metrics.snapshot(),
             })
         }

@@ -1,5 +1,6 @@
 //! The host-side effect of inflating / reporting: giving guest pages back to
-//! the host so that they read as zero afterwards.
+//! the host, and initializing them when the device promised the guest it
+//! would (feature bits 6 and 7, see `spec.rs`).
 //!
 //! * fd-backed regions (memfd, tmpfs, hugetlbfs — everything the frontend
 //!   shares with SET_MEM_TABLE): `fallocate(PUNCH_HOLE | KEEP_SIZE)` on the
@@ -12,16 +13,20 @@
 //! * anonymous regions (unit tests): `MADV_DONTNEED` for private mappings
 //!   (reads back zero-filled pages), `MADV_REMOVE` for shared ones.
 //!
-//! A part of a range that does not cover a whole backing page (4 KiB pages on
-//! a hugetlbfs region) cannot be discarded: it is skipped and counted, or —
-//! when the caller promised the guest zeroes (feature bits 6/7) — explicitly
-//! overwritten with zeroes.
+//! [`treat_range`] decides what happens to one validated range: with a
+//! promise to the guest ([`Treatment::ReleaseZeroed`], [`Treatment::Fill`])
+//! every byte that was not discarded (a partial huge page, a failed
+//! `fallocate`) is written with the pattern through guest memory, and what
+//! cannot be written either is returned as uninitialized so that the caller
+//! never acknowledges it as initialized.
 
 use std::io;
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use thiserror::Error;
+use vm_memory::bitmap::Bitmap;
 use vm_memory::{
     Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryError, GuestMemoryMmap, GuestMemoryRegion,
 };
@@ -55,9 +60,9 @@ pub enum DiscardError {
         /// OS error
         source: io::Error,
     },
-    /// Writing zeroes into a partial page failed.
-    #[error("zero-filling {gpa:#x} failed: {source}")]
-    ZeroFill {
+    /// Writing the fill pattern into guest memory failed.
+    #[error("filling {gpa:#x} failed: {source}")]
+    Fill {
         /// guest-physical address
         gpa: u64,
         /// cause
@@ -65,32 +70,155 @@ pub enum DiscardError {
     },
 }
 
-/// What a discard did with the bytes of a range.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DiscardOutcome {
+/// The dirty bitmap of a guest memory region: inactive until the frontend
+/// shares a log (VHOST_USER_SET_LOG_BASE), then every write through guest
+/// memory marks the pages it touched in the frontend's log.
+pub type LogBitmap = vhost_user_backend::bitmap::BitmapMmapRegion;
+
+/// Guest memory as the backend maps it.
+pub type GuestMem = GuestMemoryMmap<LogBitmap>;
+
+/// What a discard did with a range.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Discarded {
     /// Bytes released to the host.
     pub discarded: u64,
-    /// Bytes overwritten with zeroes instead.
-    pub zero_filled: u64,
-    /// Bytes left untouched (partial huge pages, no zero guarantee).
-    pub skipped: u64,
+    /// Parts of the range that were not released (partial huge pages, or
+    /// the whole range for a discarder that never releases memory).
+    pub rest: Vec<GuestRange>,
 }
 
 /// The host-side effect behind inflate and free page reporting.
 pub trait Discarder: Send + Sync {
-    /// True when a discarded range reads back as zero (required before the
-    /// device may offer feature bits 6 and 7).
-    fn leaves_zeroes(&self) -> bool;
+    /// True when `discard` gives memory back to the host so that it reads
+    /// as zero afterwards (the device offers bits 6 and 7 only then).
+    fn releases_memory(&self) -> bool;
 
-    /// Discards `range`, which the caller validated to lie in one region of
-    /// `mem`. With `zero_fill_partial`, bytes that cannot be discarded are
-    /// overwritten with zeroes so that the whole range reads as zero.
-    fn discard(
-        &self,
-        mem: &GuestMemoryMmap,
-        range: GuestRange,
-        zero_fill_partial: bool,
-    ) -> Result<DiscardOutcome, DiscardError>;
+    /// Discards the whole backing pages of `range`, which the caller
+    /// validated to lie in one region of `mem`.
+    fn discard(&self, mem: &GuestMem, range: GuestRange) -> Result<Discarded, DiscardError>;
+
+    /// Writes `pattern` (little-endian, repeated) over `range` through guest
+    /// memory.
+    fn fill(&self, mem: &GuestMem, range: GuestRange, pattern: u32) -> Result<(), DiscardError> {
+        fill_pattern(mem, range, pattern)
+    }
+}
+
+/// What the device does with a valid range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Treatment {
+    /// Give the memory back, no promise about its content: what cannot be
+    /// discarded is left as it is.
+    Release,
+    /// Give the memory back and initialize it to zero: what cannot be
+    /// discarded is zero-filled.
+    ReleaseZeroed,
+    /// Initialize every byte to `pattern` (PAGE_POISON with a non-zero
+    /// `poison_val`): nothing is discarded.
+    Fill(u32),
+}
+
+/// What [`treat_range`] did, in bytes, plus what it could not initialize.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RangeOutcome {
+    /// Released to the host.
+    pub discarded: u64,
+    /// Written with zeroes instead of being released.
+    pub zero_filled: u64,
+    /// Written with a non-zero pattern.
+    pub pattern_filled: u64,
+    /// Left as they were (no promise: partial huge pages, failed discards).
+    pub skipped: u64,
+    /// Discard calls that failed.
+    pub discard_errors: u64,
+    /// Fill attempts that failed.
+    pub fill_errors: u64,
+    /// Parts the treatment promised to initialize and could not.
+    pub uninitialized: Vec<GuestRange>,
+}
+
+impl RangeOutcome {
+    /// Bytes the treatment could not initialize.
+    pub fn uninitialized_bytes(&self) -> u64 {
+        self.uninitialized.iter().map(|r| r.len).sum()
+    }
+}
+
+fn fill_into(
+    d: &dyn Discarder,
+    mem: &GuestMem,
+    r: GuestRange,
+    pattern: u32,
+    out: &mut RangeOutcome,
+    err: &mut Option<DiscardError>,
+) {
+    match d.fill(mem, r, pattern) {
+        Ok(()) if pattern == 0 => out.zero_filled += r.len,
+        Ok(()) => out.pattern_filled += r.len,
+        Err(e) => {
+            out.fill_errors += 1;
+            out.uninitialized.push(r);
+            err.get_or_insert(e);
+        }
+    }
+}
+
+/// Applies `t` to the validated `range`. Returns the outcome and the first
+/// error met (already accounted for in the outcome, for logging).
+pub fn treat_range(
+    d: &dyn Discarder,
+    mem: &GuestMem,
+    range: GuestRange,
+    t: Treatment,
+) -> (RangeOutcome, Option<DiscardError>) {
+    let mut out = RangeOutcome::default();
+    let mut err = None;
+    match t {
+        Treatment::Fill(p) => fill_into(d, mem, range, p, &mut out, &mut err),
+        Treatment::Release | Treatment::ReleaseZeroed => {
+            let rest = match d.discard(mem, range) {
+                Ok(x) => {
+                    out.discarded = x.discarded;
+                    x.rest
+                }
+                Err(e) => {
+                    out.discard_errors = 1;
+                    err = Some(e);
+                    vec![range]
+                }
+            };
+            for r in rest {
+                if t == Treatment::ReleaseZeroed {
+                    fill_into(d, mem, r, 0, &mut out, &mut err);
+                } else {
+                    out.skipped += r.len;
+                }
+            }
+        }
+    }
+    (out, err)
+}
+
+/// Marks `r` dirty in the frontend's migration log (the region's bitmap)
+/// and returns whether the log recorded it, i.e. whether a log is active
+/// for that region. Writes through guest memory are marked by `vm-memory`
+/// itself; a discard changes memory behind its back and needs this.
+///
+/// The answer can be a false "no" when the frontend collected (and
+/// cleared) the bit between the mark and the check: callers treat "no" as
+/// "the guest cannot rely on this range", which is the safe side.
+pub fn mark_dirty(mem: &GuestMem, r: GuestRange) -> bool {
+    let Some(region) = mem.find_region(GuestAddress(r.gpa)) else {
+        return false;
+    };
+    let off = r.gpa - region.start_addr().0;
+    let (Ok(off), Ok(len)) = (usize::try_from(off), usize::try_from(r.len)) else {
+        return false;
+    };
+    let bitmap = region.bitmap();
+    bitmap.mark_dirty(off, len);
+    len > 0 && bitmap.dirty_at(off)
 }
 
 /// The real implementation (see module documentation).
@@ -102,19 +230,14 @@ pub struct HostDiscarder;
 pub struct NoopDiscarder;
 
 impl Discarder for NoopDiscarder {
-    fn leaves_zeroes(&self) -> bool {
+    fn releases_memory(&self) -> bool {
         false
     }
 
-    fn discard(
-        &self,
-        _mem: &GuestMemoryMmap,
-        range: GuestRange,
-        _zero_fill_partial: bool,
-    ) -> Result<DiscardOutcome, DiscardError> {
-        Ok(DiscardOutcome {
-            skipped: range.len,
-            ..Default::default()
+    fn discard(&self, _mem: &GuestMem, range: GuestRange) -> Result<Discarded, DiscardError> {
+        Ok(Discarded {
+            discarded: 0,
+            rest: vec![range],
         })
     }
 }
@@ -171,34 +294,38 @@ fn madvise(
     Ok(())
 }
 
-fn zero_fill(mem: &GuestMemoryMmap, r: GuestRange) -> Result<(), DiscardError> {
+/// Writes `pattern` (little-endian, repeated) over `r`, which must lie in
+/// guest memory; the write goes through `mem` (and so through its dirty
+/// bitmap).
+pub fn fill_pattern(mem: &GuestMem, r: GuestRange, pattern: u32) -> Result<(), DiscardError> {
     const CHUNK: u64 = 64 * 1024;
-    let zeroes = [0u8; CHUNK as usize];
+    let mut buf = [0u8; CHUNK as usize];
+    if pattern != 0 {
+        for c in buf.chunks_exact_mut(4) {
+            c.copy_from_slice(&pattern.to_le_bytes());
+        }
+    }
     let mut off = 0;
     while off < r.len {
         let n = (r.len - off).min(CHUNK);
-        let idx = usize::try_from(n).unwrap_or(zeroes.len());
-        mem.write_slice(&zeroes[..idx], GuestAddress(r.gpa + off))
-            .map_err(|source| DiscardError::ZeroFill {
-                gpa: r.gpa + off,
-                source,
-            })?;
+        let idx = usize::try_from(n).unwrap_or(buf.len());
+        let gpa = r.gpa.checked_add(off).ok_or(DiscardError::NotMapped {
+            gpa: r.gpa,
+            len: r.len,
+        })?;
+        mem.write_slice(&buf[..idx], GuestAddress(gpa))
+            .map_err(|source| DiscardError::Fill { gpa, source })?;
         off += n;
     }
     Ok(())
 }
 
 impl Discarder for HostDiscarder {
-    fn leaves_zeroes(&self) -> bool {
+    fn releases_memory(&self) -> bool {
         true
     }
 
-    fn discard(
-        &self,
-        mem: &GuestMemoryMmap,
-        range: GuestRange,
-        zero_fill_partial: bool,
-    ) -> Result<DiscardOutcome, DiscardError> {
+    fn discard(&self, mem: &GuestMem, range: GuestRange) -> Result<Discarded, DiscardError> {
         let not_mapped = || DiscardError::NotMapped {
             gpa: range.gpa,
             len: range.len,
@@ -223,7 +350,7 @@ impl Discarder for HostDiscarder {
             None => (host_base, PAGE_SIZE),
         };
         let (whole, partial) = split_to_pages(GuestRange::new(base + in_off, range.len), page);
-        let mut out = DiscardOutcome::default();
+        let mut out = Discarded::default();
         if let Some(w) = whole {
             let w_in = w.gpa - base; // offset inside the region
             let gpa_range = GuestRange::new(rstart + w_in, w.len);
@@ -285,46 +412,67 @@ impl Discarder for HostDiscarder {
             }
             out.discarded = w.len;
         }
-        for p in partial {
-            let g = GuestRange::new(rstart + (p.gpa - base), p.len);
-            if zero_fill_partial {
-                zero_fill(mem, g)?;
-                out.zero_filled += p.len;
-            } else {
-                out.skipped += p.len;
-            }
-        }
+        out.rest = partial
+            .into_iter()
+            .map(|p| GuestRange::new(rstart + (p.gpa - base), p.len))
+            .collect();
         Ok(out)
     }
 }
 
-/// Test double: records every call and zero-fills the range through guest
-/// memory (so it honours the zero guarantee without any system call).
+/// Test double: records every call, "discards" by zero-filling through
+/// guest memory (no system call), and fails discards and/or fills on
+/// request.
 #[derive(Debug, Default)]
 pub struct RecordingDiscarder {
     /// Ranges passed to `discard`, in order.
-    pub calls: Mutex<Vec<(GuestRange, bool)>>,
+    pub calls: Mutex<Vec<GuestRange>>,
+    /// Ranges passed to `fill`, with the pattern, in order.
+    pub fills: Mutex<Vec<(GuestRange, u32)>>,
+    /// Make every `discard` fail.
+    pub fail_discard: AtomicBool,
+    /// Make every `fill` fail.
+    pub fail_fill: AtomicBool,
+}
+
+impl RecordingDiscarder {
+    fn failure(range: GuestRange, op: &'static str) -> DiscardError {
+        DiscardError::Syscall {
+            op,
+            gpa: range.gpa,
+            len: range.len,
+            source: io::Error::from_raw_os_error(libc::EPERM),
+        }
+    }
 }
 
 impl Discarder for RecordingDiscarder {
-    fn leaves_zeroes(&self) -> bool {
+    fn releases_memory(&self) -> bool {
         true
     }
 
-    fn discard(
-        &self,
-        mem: &GuestMemoryMmap,
-        range: GuestRange,
-        zero_fill_partial: bool,
-    ) -> Result<DiscardOutcome, DiscardError> {
+    fn discard(&self, mem: &GuestMem, range: GuestRange) -> Result<Discarded, DiscardError> {
         if let Ok(mut c) = self.calls.lock() {
-            c.push((range, zero_fill_partial));
+            c.push(range);
         }
-        zero_fill(mem, range)?;
-        Ok(DiscardOutcome {
+        if self.fail_discard.load(Ordering::Relaxed) {
+            return Err(Self::failure(range, "test discard"));
+        }
+        fill_pattern(mem, range, 0)?;
+        Ok(Discarded {
             discarded: range.len,
-            ..Default::default()
+            rest: Vec::new(),
         })
+    }
+
+    fn fill(&self, mem: &GuestMem, range: GuestRange, pattern: u32) -> Result<(), DiscardError> {
+        if let Ok(mut c) = self.fills.lock() {
+            c.push((range, pattern));
+        }
+        if self.fail_fill.load(Ordering::Relaxed) {
+            return Err(Self::failure(range, "test fill"));
+        }
+        fill_pattern(mem, range, pattern)
     }
 }
 
@@ -368,7 +516,7 @@ mod tests {
             .unwrap();
         let before = blocks(&fcheck);
         let out = HostDiscarder
-            .discard(&mem, GuestRange::new(0x10_0000 + 8192, 64 * 1024), false)
+            .discard(&mem, GuestRange::new(0x10_0000 + 8192, 64 * 1024))
             .unwrap();
         assert_eq!(out.discarded, 64 * 1024);
         assert!(blocks(&fcheck) < before);
@@ -388,10 +536,10 @@ mod tests {
 
     #[test]
     fn dontneed_on_private_anon() {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let mem = GuestMem::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         mem.write_slice(&[7u8; 8192], GuestAddress(4096)).unwrap();
         let out = HostDiscarder
-            .discard(&mem, GuestRange::new(4096, 4096), false)
+            .discard(&mem, GuestRange::new(4096, 4096))
             .unwrap();
         assert_eq!(out.discarded, 4096);
         let mut b = [1u8; 8192];
@@ -402,29 +550,111 @@ mod tests {
 
     #[test]
     fn outside_region_is_error() {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 16)]).unwrap();
+        let mem = GuestMem::from_ranges(&[(GuestAddress(0), 1 << 16)]).unwrap();
         assert!(HostDiscarder
-            .discard(&mem, GuestRange::new(1 << 16, 4096), false)
+            .discard(&mem, GuestRange::new(1 << 16, 4096))
             .is_err());
         assert!(HostDiscarder
-            .discard(&mem, GuestRange::new(0, 1 << 17), false)
+            .discard(&mem, GuestRange::new(0, 1 << 17))
             .is_err());
     }
 
     #[test]
     fn noop_and_recording() {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 16)]).unwrap();
+        let mem = GuestMem::from_ranges(&[(GuestAddress(0), 1 << 16)]).unwrap();
         let o = NoopDiscarder
-            .discard(&mem, GuestRange::new(0, 4096), true)
+            .discard(&mem, GuestRange::new(0, 4096))
             .unwrap();
-        assert_eq!(o.skipped, 4096);
-        assert!(!NoopDiscarder.leaves_zeroes());
+        assert_eq!(o.rest, vec![GuestRange::new(0, 4096)]);
+        assert!(!NoopDiscarder.releases_memory());
         let r = RecordingDiscarder::default();
         mem.write_slice(&[3u8; 4096], GuestAddress(0)).unwrap();
-        r.discard(&mem, GuestRange::new(0, 4096), false).unwrap();
+        r.discard(&mem, GuestRange::new(0, 4096)).unwrap();
         assert_eq!(r.calls.lock().unwrap().len(), 1);
         let mut b = [1u8; 4096];
         mem.read_slice(&mut b, GuestAddress(0)).unwrap();
         assert!(b.iter().all(|&x| x == 0));
+    }
+
+    fn mem_with(byte: u8) -> GuestMem {
+        let mem = GuestMem::from_ranges(&[(GuestAddress(0), 1 << 16)]).unwrap();
+        mem.write_slice(&[byte; 1 << 16], GuestAddress(0)).unwrap();
+        mem
+    }
+
+    fn read(mem: &GuestMem, r: GuestRange) -> Vec<u8> {
+        let mut b = vec![0u8; r.len as usize];
+        mem.read_slice(&mut b, GuestAddress(r.gpa)).unwrap();
+        b
+    }
+
+    #[test]
+    fn failed_discard_is_zero_filled_only_under_a_promise() {
+        let mem = mem_with(7);
+        let d = RecordingDiscarder::default();
+        d.fail_discard.store(true, Ordering::Relaxed);
+        let r = GuestRange::new(4096, 8192);
+        // no promise: the pages stay as they are
+        let (o, e) = treat_range(&d, &mem, r, Treatment::Release);
+        assert!(e.is_some());
+        assert_eq!((o.discard_errors, o.skipped, o.zero_filled), (1, 8192, 0));
+        assert!(o.uninitialized.is_empty());
+        assert!(read(&mem, r).iter().all(|&b| b == 7));
+        // promise: zero-filled instead
+        let (o, _) = treat_range(&d, &mem, r, Treatment::ReleaseZeroed);
+        assert_eq!(
+            (o.discard_errors, o.zero_filled, o.fill_errors),
+            (1, 8192, 0)
+        );
+        assert!(o.uninitialized.is_empty());
+        assert!(read(&mem, r).iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn unfillable_range_is_reported_uninitialized() {
+        let mem = mem_with(7);
+        let d = RecordingDiscarder::default();
+        d.fail_discard.store(true, Ordering::Relaxed);
+        d.fail_fill.store(true, Ordering::Relaxed);
+        let r = GuestRange::new(4096, 4096);
+        let (o, e) = treat_range(&d, &mem, r, Treatment::ReleaseZeroed);
+        assert!(e.is_some());
+        assert_eq!(o.uninitialized, vec![r]);
+        assert_eq!((o.discard_errors, o.fill_errors), (1, 1));
+        let (o, _) = treat_range(&d, &mem, r, Treatment::Fill(0xaaaa_aaaa));
+        assert_eq!(o.uninitialized, vec![r]);
+        assert_eq!(o.uninitialized_bytes(), 4096);
+    }
+
+    #[test]
+    fn pattern_fill_never_discards() {
+        let mem = mem_with(7);
+        let d = RecordingDiscarder::default();
+        let r = GuestRange::new(0, 4096);
+        let (o, e) = treat_range(&d, &mem, r, Treatment::Fill(0x1234_5678));
+        assert!(e.is_none());
+        assert_eq!(o.pattern_filled, 4096);
+        assert!(d.calls.lock().unwrap().is_empty());
+        let b = read(&mem, r);
+        assert_eq!(&b[..8], &[0x78, 0x56, 0x34, 0x12, 0x78, 0x56, 0x34, 0x12]);
+        // outside guest memory: an error, never a write elsewhere
+        assert!(fill_pattern(&mem, GuestRange::new(1 << 16, 4096), 0).is_err());
+    }
+
+    #[test]
+    fn mark_dirty_reports_an_inactive_log() {
+        let mem = mem_with(7);
+        // no log shared: marking is a no-op and says so
+        assert!(!mark_dirty(&mem, GuestRange::new(0, 4096)));
+        assert!(!mark_dirty(&mem, GuestRange::new(1 << 16, 4096)));
+    }
+
+    #[test]
+    fn noop_discarder_zero_fills_under_a_promise() {
+        let mem = mem_with(7);
+        let r = GuestRange::new(0, 4096);
+        let (o, _) = treat_range(&NoopDiscarder, &mem, r, Treatment::ReleaseZeroed);
+        assert_eq!((o.discarded, o.zero_filled), (0, 4096));
+        assert!(read(&mem, r).iter().all(|&b| b == 0));
     }
 }

@@ -26,15 +26,33 @@ pub struct Metrics {
     pub reported_bytes: AtomicU64,
     /// Bytes given back to the host (hole punched / madvised).
     pub discarded_bytes: AtomicU64,
-    /// Bytes that could not be discarded (partial huge pages) and were
-    /// overwritten with zeroes because a zero guarantee was negotiated.
+    /// Bytes that were not discarded (partial huge pages, failed discards)
+    /// and were written with zeroes because the device promised to
+    /// initialize them (bit 6 or 7).
     pub zero_filled_bytes: AtomicU64,
-    /// Bytes not discarded because they only cover part of a huge page.
+    /// Reported bytes written with `poison_val` (bit 6 with PAGE_POISON and
+    /// a non-zero `poison_val`).
+    pub poison_filled_bytes: AtomicU64,
+    /// Bytes left as they were with no promise to the guest: partial huge
+    /// pages, and ranges whose discard failed.
     pub partial_page_skipped_bytes: AtomicU64,
-    /// Reported bytes kept because PAGE_POISON with poison_val != 0 was negotiated.
+    /// Reported bytes kept because PAGE_POISON with poison_val != 0 was
+    /// negotiated without bit 6.
     pub poison_skipped_bytes: AtomicU64,
     /// Discard system calls that failed.
     pub discard_errors: AtomicU64,
+    /// Fill attempts (zeroes or `poison_val`) that failed.
+    pub fill_errors: AtomicU64,
+    /// Valid bytes the device promised to initialize and could not (they
+    /// were acknowledged as not initialized).
+    pub uninitialized_bytes: AtomicU64,
+    /// Reports returned with used length 0 under bit 6 (not initialized).
+    pub reports_not_initialized: AtomicU64,
+    /// PFNs whose bit was left clear in the inflate bitmap under bit 7.
+    pub pfns_not_initialized: AtomicU64,
+    /// Inflate chains under bit 7 without room for the bitmap (returned
+    /// with used length 0).
+    pub inflate_bitmap_errors: AtomicU64,
     /// Number of discard operations timed.
     pub discard_ops: AtomicU64,
     /// Sum of discard latency, nanoseconds.
@@ -47,6 +65,12 @@ pub struct Metrics {
     pub stats_requests: AtomicU64,
     /// Config-space writes rejected.
     pub config_write_rejects: AtomicU64,
+    /// Ranges changed while LOG_ALL was negotiated that the dirty log did
+    /// not record (no log shared): acknowledged as not initialized.
+    pub dirty_log_misses: AtomicU64,
+    /// Kicks on a virtqueue that does not exist for the negotiated
+    /// features (ignored).
+    pub bad_queue_kicks: AtomicU64,
     /// Config change notifications sent to the frontend.
     pub config_notifications: AtomicU64,
     /// Frontend connections accepted.
@@ -92,15 +116,23 @@ impl Metrics {
             reported_bytes: get(&self.reported_bytes),
             discarded_bytes: get(&self.discarded_bytes),
             zero_filled_bytes: get(&self.zero_filled_bytes),
+            poison_filled_bytes: get(&self.poison_filled_bytes),
             partial_page_skipped_bytes: get(&self.partial_page_skipped_bytes),
             poison_skipped_bytes: get(&self.poison_skipped_bytes),
             discard_errors: get(&self.discard_errors),
+            fill_errors: get(&self.fill_errors),
+            uninitialized_bytes: get(&self.uninitialized_bytes),
+            reports_not_initialized: get(&self.reports_not_initialized),
+            pfns_not_initialized: get(&self.pfns_not_initialized),
+            inflate_bitmap_errors: get(&self.inflate_bitmap_errors),
             discard_ops: get(&self.discard_ops),
             discard_ns_sum: get(&self.discard_ns_sum),
             discard_ns_max: get(&self.discard_ns_max),
             stats_updates: get(&self.stats_updates),
             stats_requests: get(&self.stats_requests),
             config_write_rejects: get(&self.config_write_rejects),
+            bad_queue_kicks: get(&self.bad_queue_kicks),
+            dirty_log_misses: get(&self.dirty_log_misses),
             config_notifications: get(&self.config_notifications),
             connections: get(&self.connections),
             rejects: Rejects {
@@ -145,15 +177,23 @@ pub struct MetricsSnapshot {
     pub reported_bytes: u64,
     pub discarded_bytes: u64,
     pub zero_filled_bytes: u64,
+    pub poison_filled_bytes: u64,
     pub partial_page_skipped_bytes: u64,
     pub poison_skipped_bytes: u64,
     pub discard_errors: u64,
+    pub fill_errors: u64,
+    pub uninitialized_bytes: u64,
+    pub reports_not_initialized: u64,
+    pub pfns_not_initialized: u64,
+    pub inflate_bitmap_errors: u64,
     pub discard_ops: u64,
     pub discard_ns_sum: u64,
     pub discard_ns_max: u64,
     pub stats_updates: u64,
     pub stats_requests: u64,
     pub config_write_rejects: u64,
+    pub bad_queue_kicks: u64,
+    pub dirty_log_misses: u64,
     pub config_notifications: u64,
     pub connections: u64,
     pub rejects: Rejects,

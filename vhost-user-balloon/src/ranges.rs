@@ -16,16 +16,9 @@ pub enum RangeError {
     /// A stats buffer whose length is not a multiple of 10 bytes.
     #[error("stats buffer of {0} bytes is not a multiple of {STAT_ENTRY_SIZE}")]
     StatsLength(usize),
-    /// A config write outside the 16 byte config space.
-    #[error("config write at offset {offset} len {len} is outside the config space")]
-    ConfigOutOfBounds {
-        /// offset of the write
-        offset: u32,
-        /// length of the write
-        len: usize,
-    },
-    /// A config write touching a field the driver must not write.
-    #[error("config write at offset {offset} len {len} touches a device-owned field")]
+    /// A config write that covers no driver-writable byte (only
+    /// device-owned fields, or only bytes past the structure).
+    #[error("config write at offset {offset} len {len} touches no driver-writable field")]
     ConfigReadOnly {
         /// offset of the write
         offset: u32,
@@ -215,6 +208,48 @@ pub fn plan_pfn_buffer(bytes: &[u8], regions: &[RegionInfo]) -> Result<(Plan, us
     Ok((plan(&ranges, regions, PAGE_SIZE), pfns.len()))
 }
 
+/// The inflate bitmap of a chain under `F_DEVICE_INIT_ON_INFLATE`: bit N
+/// (LSB first within byte N / 8) is set when PFN N (index in the chain's
+/// array) is a valid page of guest memory and no part of it lies in
+/// `uninitialized`, the ranges the device could not initialize. Duplicate
+/// PFNs get the same answer.
+pub fn inflate_bitmap(
+    pfns: &[u32],
+    regions: &[RegionInfo],
+    uninitialized: &[GuestRange],
+) -> Vec<u8> {
+    let mut out = vec![0u8; spec::inflate_bitmap_len(pfns.len())];
+    for (i, page) in pfns_to_ranges(pfns).into_iter().enumerate() {
+        let valid = validate(page, regions, PAGE_SIZE).is_ok();
+        let failed = uninitialized.iter().any(|u| overlaps(*u, page));
+        if valid && !failed {
+            out[i / 8] |= 1 << (i % 8);
+        }
+    }
+    out
+}
+
+/// Whether two ranges share at least one byte.
+pub fn overlaps(a: GuestRange, b: GuestRange) -> bool {
+    let (Some(ae), Some(be)) = (a.end(), b.end()) else {
+        return false;
+    };
+    a.len > 0 && b.len > 0 && a.gpa < be && b.gpa < ae
+}
+
+/// Used length of a reporting_vq element under `F_DEVICE_INIT_REPORTED`:
+/// the total length of its buffers (`buffer_lens`) when every page was
+/// initialized, 0 otherwise (also when the total does not fit in 32 bits).
+pub fn report_used_len(buffer_lens: &[u32], all_initialized: bool) -> u32 {
+    if !all_initialized {
+        return 0;
+    }
+    buffer_lens
+        .iter()
+        .try_fold(0u32, |acc, &l| acc.checked_add(l))
+        .unwrap_or(0)
+}
+
 /// Splits a range into the part made of whole backing pages of size
 /// `page_size` (power of two) and the partial head/tail that is not.
 /// Returns `(whole, partial)`.
@@ -328,32 +363,53 @@ impl BalloonConfig {
             .collect()
     }
 
-    /// Applies a driver write (SET_CONFIG). Only `actual` and `poison_val`
-    /// are driver-writable; partial writes inside those fields are merged.
-    /// Returns the new config; `self` is unchanged on error.
-    pub fn apply_write(&self, offset: u32, data: &[u8]) -> Result<BalloonConfig, RangeError> {
-        let start = usize::try_from(offset).unwrap_or(usize::MAX);
-        let end = start.checked_add(data.len()).filter(|&e| e <= CONFIG_SIZE);
-        let Some(end) = end else {
-            return Err(RangeError::ConfigOutOfBounds {
-                offset,
-                len: data.len(),
-            });
+    /// Applies a driver write (SET_CONFIG). The bytes that fall into the
+    /// driver-writable fields (`actual`, `poison_val`) are taken, partial
+    /// writes inside them merged; bytes of the device-owned fields
+    /// (`num_pages`, `free_page_hint_cmd_id`) and past the structure are
+    /// ignored. QEMU's generic vhost-user-device writes the whole config
+    /// space (its cached copy, with the guest's change in it) on every guest
+    /// write, so a write that also covers device-owned fields is normal. A
+    /// write with no driver-writable byte at all is an error and changes
+    /// nothing.
+    pub fn apply_write(&self, offset: u32, data: &[u8]) -> Result<ConfigWrite, RangeError> {
+        let writable = |o: u64| {
+            let in_field = |f: usize| (f as u64..f as u64 + 4).contains(&o);
+            in_field(spec::CFG_ACTUAL) || in_field(spec::CFG_POISON_VAL)
         };
-        let writable = |o: usize| {
-            (spec::CFG_ACTUAL..spec::CFG_ACTUAL + 4).contains(&o)
-                || (spec::CFG_POISON_VAL..spec::CFG_POISON_VAL + 4).contains(&o)
-        };
-        if !(start..end).all(writable) {
+        let mut img = self.to_bytes();
+        let mut taken = 0;
+        for (i, &b) in data.iter().enumerate() {
+            let o = u64::from(offset) + i as u64;
+            if writable(o) {
+                // writable offsets are < CONFIG_SIZE
+                if let Some(slot) = usize::try_from(o).ok().and_then(|o| img.get_mut(o)) {
+                    *slot = b;
+                    taken += 1;
+                }
+            }
+        }
+        if taken == 0 {
             return Err(RangeError::ConfigReadOnly {
                 offset,
                 len: data.len(),
             });
         }
-        let mut img = self.to_bytes();
-        img[start..end].copy_from_slice(data);
-        Ok(Self::from_bytes(&img))
+        Ok(ConfigWrite {
+            config: Self::from_bytes(&img),
+            ignored: data.len() - taken,
+        })
     }
+}
+
+/// Result of [`BalloonConfig::apply_write`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConfigWrite {
+    /// The config space after the write.
+    pub config: BalloonConfig,
+    /// Bytes of the write that were ignored (device-owned fields, past the
+    /// structure).
+    pub ignored: usize,
 }
 
 #[cfg(test)]
@@ -386,6 +442,41 @@ mod tests {
         assert_eq!(parse_pfns(&[1, 2, 3]), Err(RangeError::PfnArrayLength(3)));
         let r = pfns_to_ranges(&[0xffff_ffff]);
         assert_eq!(r[0], GuestRange::new(0xffff_ffffu64 << 12, 4096));
+    }
+
+    #[test]
+    fn inflate_bitmaps() {
+        let rg = regions();
+        let p = |a: u64| (a >> PFN_SHIFT) as u32;
+        // 9 PFNs: two bytes; PFN 1 outside memory, PFN 8 uninitialized
+        let pfns = [
+            p(0),
+            p(40 * MIB),
+            p(4096),
+            p(8192),
+            p(0),
+            p(MIB),
+            p(2 * MIB),
+            p(3 * MIB),
+            p(5 * MIB),
+        ];
+        let failed = [GuestRange::new(5 * MIB, 4096)];
+        assert_eq!(inflate_bitmap(&pfns, &rg, &failed), vec![0b1111_1101, 0]);
+        assert_eq!(inflate_bitmap(&pfns, &rg, &[]), vec![0b1111_1101, 1]);
+        assert_eq!(inflate_bitmap(&[], &rg, &[]), Vec::<u8>::new());
+        // a failed range covering part of a page clears that page
+        let part = [GuestRange::new(4096 + 100, 8)];
+        assert_eq!(inflate_bitmap(&[p(4096)], &rg, &part), vec![0]);
+    }
+
+    #[test]
+    fn report_used_lengths() {
+        assert_eq!(report_used_len(&[4096, 8192], true), 12288);
+        assert_eq!(report_used_len(&[4096, 8192], false), 0);
+        assert_eq!(report_used_len(&[u32::MAX, 1], true), 0);
+        assert!(overlaps(GuestRange::new(0, 2), GuestRange::new(1, 1)));
+        assert!(!overlaps(GuestRange::new(0, 1), GuestRange::new(1, 1)));
+        assert!(!overlaps(GuestRange::new(0, 0), GuestRange::new(0, 1)));
     }
 
     #[test]
@@ -533,27 +624,61 @@ mod tests {
         assert_eq!(c.read(0, 4), vec![0, 1, 0, 0]);
         assert_eq!(c.read(14, 4), vec![0, 0, 0, 0]);
         assert_eq!(c.read(u32::MAX, 2), vec![0, 0]);
-        let n = c.apply_write(4, &7u32.to_le_bytes()).unwrap();
+        let n = c.apply_write(4, &7u32.to_le_bytes()).unwrap().config;
         assert_eq!(n.actual, 7);
-        let n = n.apply_write(12, &0xaaaa_aaaau32.to_le_bytes()).unwrap();
+        let n = n
+            .apply_write(12, &0xaaaa_aaaau32.to_le_bytes())
+            .unwrap()
+            .config;
         assert_eq!(n.poison_val, 0xaaaa_aaaa);
-        let n = n.apply_write(5, &[1]).unwrap();
+        let n = n.apply_write(5, &[1]).unwrap().config;
         assert_eq!(n.actual, 0x107);
-        assert!(matches!(
-            c.apply_write(0, &[1, 2, 3, 4]),
-            Err(RangeError::ConfigReadOnly { .. })
-        ));
-        assert!(matches!(
-            c.apply_write(2, &[0; 4]),
-            Err(RangeError::ConfigReadOnly { .. })
-        ));
-        assert!(matches!(
-            c.apply_write(14, &[0; 4]),
-            Err(RangeError::ConfigOutOfBounds { .. })
-        ));
-        assert!(matches!(
-            c.apply_write(u32::MAX, &[0]),
-            Err(RangeError::ConfigOutOfBounds { .. })
-        ));
+        // only device-owned bytes, or nothing inside the structure: refused
+        for (off, data) in [(0, &[1u8, 2, 3, 4][..]), (8, &[0; 4]), (16, &[0; 4])] {
+            assert_eq!(
+                c.apply_write(off, data),
+                Err(RangeError::ConfigReadOnly {
+                    offset: off,
+                    len: data.len()
+                })
+            );
+        }
+        assert!(c.apply_write(u32::MAX, &[0]).is_err());
+        // straddling: the writable bytes are taken, the others ignored
+        let w = c.apply_write(2, &[9; 4]).unwrap();
+        assert_eq!((w.config.num_pages, w.config.actual), (0x100, 0x0909));
+        assert_eq!(w.ignored, 2);
+        let w = c.apply_write(14, &[0xff; 4]).unwrap();
+        assert_eq!((w.config.poison_val, w.ignored), (0xffff_0000, 2));
+    }
+
+    #[test]
+    fn whole_config_write_takes_the_driver_fields() {
+        // QEMU's vhost-user-device: the whole (cached) 16 bytes every time
+        let c = BalloonConfig {
+            num_pages: 1000,
+            ..Default::default()
+        };
+        let stale = BalloonConfig {
+            num_pages: 5,
+            actual: 123,
+            free_page_hint_cmd_id: 9,
+            poison_val: 0xaaaa_aaaa,
+        };
+        let w = c.apply_write(0, &stale.to_bytes()).unwrap();
+        assert_eq!(
+            w.config,
+            BalloonConfig {
+                num_pages: 1000,
+                actual: 123,
+                free_page_hint_cmd_id: 0,
+                poison_val: 0xaaaa_aaaa,
+            }
+        );
+        assert_eq!(w.ignored, 8);
+        // a larger config space (vhost-user-device config-size) is fine too
+        let mut big = stale.to_bytes().to_vec();
+        big.extend_from_slice(&[0xee; 8]);
+        assert_eq!(c.apply_write(0, &big).unwrap().config, w.config);
     }
 }

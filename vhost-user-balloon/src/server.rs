@@ -15,13 +15,13 @@ use std::os::fd::AsRawFd;
 use thiserror::Error;
 use vhost::vhost_user::Listener;
 use vhost_user_backend::VhostUserDaemon;
-use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::epoll::EventSet;
 
 use crate::backend::{BalloonBackend, DeviceState, STATS_REQUEST_EVENT};
 use crate::cli::{Config, DiscardMode};
 use crate::control::{self, ControlError};
-use crate::discard::{Discarder, HostDiscarder, NoopDiscarder};
+use crate::discard::{Discarder, GuestMem, HostDiscarder, NoopDiscarder};
 use crate::shim::{Hooks, Shim, ShimError};
 
 /// Error of this module.
@@ -87,7 +87,7 @@ fn serve_connection(
     discarder: &Arc<dyn Discarder>,
 ) -> Result<(), ServerError> {
     let backend = BalloonBackend::new(state.clone(), discarder.clone(), config.features);
-    let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
+    let mem = GuestMemoryAtomic::new(GuestMem::new());
     let mut daemon = VhostUserDaemon::new("vhost-user-balloon".into(), backend, mem)
         .map_err(|e| ServerError::Daemon(e.to_string()))?;
 
@@ -151,7 +151,7 @@ pub fn run(config: Config) -> Result<(), ServerError> {
     info!(
         "listening on {} (virtio-balloon, offered features {:#x})",
         config.socket_path.display(),
-        config.features.virtio_features(discarder.leaves_zeroes())
+        config.features.virtio_features(discarder.releases_memory())
     );
     let mut conn_no = 0u64;
     loop {

@@ -1,6 +1,8 @@
 //! Constants from the virtio 1.2 specification (section 5.5, "Memory Balloon
 //! Device") and from Linux `include/uapi/linux/virtio_balloon.h`, plus the two
-//! freepage extension bits proposed by this project (see README.md).
+//! feature bits the freepage seed author proposed to the virtio TC (see
+//! README.md, "Proposed spec extension"). Those two are **proposed, not
+//! allocated**: their numbers and semantics live here and nowhere else.
 
 use thiserror::Error;
 
@@ -24,12 +26,25 @@ pub const F_FREE_PAGE_HINT: u32 = 3;
 pub const F_PAGE_POISON: u32 = 4;
 /// A virtqueue for free page reporting is present.
 pub const F_REPORTING: u32 = 5;
-/// Proposed (freepage): a page the device acknowledged on reporting_vq reads as
-/// zero until the driver writes it.
-pub const F_REPORTED_READS_ZERO: u32 = 6;
-/// Proposed (freepage): a page the device acknowledged on inflateq reads as zero
-/// after it is deflated, until the driver writes it.
-pub const F_DEFLATED_READS_ZERO: u32 = 7;
+/// `VIRTIO_BALLOON_F_DEVICE_INIT_REPORTED`: **proposed to the virtio TC, not
+/// allocated** (virtio-spec issue #244). The device initializes the pages it
+/// uses from reporting_vq (zeroes, or `poison_val` when `PAGE_POISON` is
+/// negotiated) and tells the driver per element: used length = total length
+/// of the element's buffers when it initialized every page of the element,
+/// used length 0 when it did not (the driver then treats them as ordinary
+/// free pages).
+pub const F_DEVICE_INIT_REPORTED: u32 = 6;
+/// `VIRTIO_BALLOON_F_DEVICE_INIT_ON_INFLATE`: **proposed to the virtio TC, not
+/// allocated** (virtio-spec issue #242; bit 7 in the author's branch). Each
+/// inflateq chain is the driver-readable PFN array (le32 PFNs) followed by one
+/// device-writable bitmap of `ceil(n / 8)` bytes for the chain's `n` PFNs; the
+/// device sets bit N (LSB first within byte N / 8) when it initialized PFN N
+/// and returns used length = bitmap length. Without the feature there is no
+/// bitmap and the used length is 0.
+pub const F_DEVICE_INIT_ON_INFLATE: u32 = 7;
+/// `VHOST_F_LOG_ALL` (vhost, not virtio): the frontend migrates and wants
+/// every write of the device to guest memory in its dirty log.
+pub const F_LOG_ALL: u32 = 26;
 /// `VIRTIO_F_VERSION_1`.
 pub const F_VERSION_1: u32 = 32;
 
@@ -45,15 +60,16 @@ pub const fn has(features: u64, n: u32) -> bool {
 
 /// Names of the feature bits set in `features` (for the control socket).
 pub fn feature_names(features: u64) -> Vec<&'static str> {
-    const NAMES: [(u32, &str); 10] = [
+    const NAMES: [(u32, &str); 11] = [
         (F_MUST_TELL_HOST, "MUST_TELL_HOST"),
         (F_STATS_VQ, "STATS_VQ"),
         (F_DEFLATE_ON_OOM, "DEFLATE_ON_OOM"),
         (F_FREE_PAGE_HINT, "FREE_PAGE_HINT"),
         (F_PAGE_POISON, "PAGE_POISON"),
         (F_REPORTING, "REPORTING"),
-        (F_REPORTED_READS_ZERO, "REPORTED_READS_ZERO"),
-        (F_DEFLATED_READS_ZERO, "DEFLATED_READS_ZERO"),
+        (F_DEVICE_INIT_REPORTED, "DEVICE_INIT_REPORTED"),
+        (F_DEVICE_INIT_ON_INFLATE, "DEVICE_INIT_ON_INFLATE"),
+        (F_LOG_ALL, "LOG_ALL"),
         (30, "VHOST_USER_F_PROTOCOL_FEATURES"),
         (F_VERSION_1, "VERSION_1"),
     ];
@@ -62,6 +78,12 @@ pub fn feature_names(features: u64) -> Vec<&'static str> {
         .filter(|(b, _)| has(features, *b))
         .map(|(_, n)| *n)
         .collect()
+}
+
+/// Length of the inflate bitmap for a chain of `pfns` PFNs under
+/// [`F_DEVICE_INIT_ON_INFLATE`]: one bit per PFN, rounded up to whole bytes.
+pub const fn inflate_bitmap_len(pfns: usize) -> usize {
+    pfns.div_ceil(8)
 }
 
 /// Size in bytes of `struct virtio_balloon_config`.
@@ -189,6 +211,16 @@ mod tests {
         assert_eq!(queue_index(f, QueueRole::Stats), None);
         assert_eq!(queue_layout(0).len(), 2);
         assert_eq!(queue_index(bit(F_STATS_VQ), QueueRole::Stats), Some(2));
+    }
+
+    #[test]
+    fn feature_names_and_bitmap_len() {
+        let n = feature_names(bit(F_DEVICE_INIT_REPORTED) | bit(F_DEVICE_INIT_ON_INFLATE));
+        assert_eq!(n, vec!["DEVICE_INIT_REPORTED", "DEVICE_INIT_ON_INFLATE"]);
+        assert_eq!(inflate_bitmap_len(0), 0);
+        assert_eq!(inflate_bitmap_len(1), 1);
+        assert_eq!(inflate_bitmap_len(8), 1);
+        assert_eq!(inflate_bitmap_len(9), 2);
     }
 
     #[test]

@@ -6,13 +6,14 @@ mod common;
 
 use std::fs::File;
 use std::io::Read;
-use std::os::fd::FromRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use common::*;
-use vhost::vhost_user::message::VhostUserConfigFlags;
+use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserProtocolFeatures};
 use vhost::vhost_user::VhostUserFrontend;
+use vhost::VhostBackend;
 use vm_memory::{Bytes, GuestAddress};
 
 #[test]
@@ -33,6 +34,11 @@ fn reporting_discards_and_hostile_ranges_are_rejected() {
     );
     g.kick(REPORTING);
     g.queues[REPORTING].wait_used(&g.mem, 1);
+    assert_eq!(
+        g.queues[REPORTING].used_len(&g.mem, 0),
+        (4 * MIB) as u32,
+        "bit 6: used length = total length of an initialized report"
+    );
     // measure before reading: reading a hole of shared memory refaults pages
     let after = g.blocks();
     assert_eq!(
@@ -56,7 +62,7 @@ fn reporting_discards_and_hostile_ranges_are_rejected() {
     assert_eq!(c["counters"]["discarded_bytes"], 4 * MIB);
     assert_eq!(c["counters"]["reports"], 1);
     assert_eq!(c["counters"]["reported_ranges"], 2);
-    assert_eq!(c["zero_guarantees"]["reported_reads_zero"], true);
+    assert_eq!(c["init_guarantees"]["device_init_reported"], true);
     assert_eq!(c["connected"], true);
 
     // --- hostile ranges: every one rejected, nothing touched ---
@@ -76,6 +82,11 @@ fn reporting_discards_and_hostile_ranges_are_rejected() {
     );
     g.kick(REPORTING);
     g.queues[REPORTING].wait_used(&g.mem, 2);
+    assert_eq!(
+        g.queues[REPORTING].used_len(&g.mem, 1),
+        0,
+        "bit 6: a report with rejected ranges is not initialized"
+    );
     assert!(
         g.read(GPA + MIB, 15 * MIB).iter().all(|&b| b == 0xcd),
         "no byte of guest RAM changed"
@@ -97,6 +108,7 @@ fn reporting_discards_and_hostile_ranges_are_rejected() {
     g.queues[REPORTING].push(&g.mem, &[(GPA + 12 * MIB, (MIB) as u32, true)]);
     g.kick(REPORTING);
     g.queues[REPORTING].wait_used(&g.mem, 3);
+    assert_eq!(g.queues[REPORTING].used_len(&g.mem, 2), MIB as u32);
     assert!(g.read(GPA + 12 * MIB, MIB).iter().all(|&b| b == 0));
     assert!(g.read(GPA + 13 * MIB, 4096).iter().all(|&b| b == 0xcd));
 }
@@ -132,9 +144,21 @@ fn inflate_stats_config_and_target_over_socket_channel() {
         pfns.extend_from_slice(&((p >> 12) as u32).to_le_bytes());
     }
     g.mem.write_slice(&pfns, GuestAddress(data)).unwrap();
-    g.queues[INFLATE].push(&g.mem, &[(data, pfns.len() as u32, false)]);
+    // bit 7: the chain ends with a device-writable bitmap, one bit per PFN
+    let bitmap = data + 0x800;
+    g.mem.write_obj(0xffu8, GuestAddress(bitmap)).unwrap();
+    g.queues[INFLATE].push(
+        &g.mem,
+        &[(data, pfns.len() as u32, false), (bitmap, 1, true)],
+    );
     g.kick(INFLATE);
     g.queues[INFLATE].wait_used(&g.mem, 1);
+    assert_eq!(g.queues[INFLATE].used_len(&g.mem, 0), 1, "bitmap length");
+    assert_eq!(
+        g.mem.read_obj::<u8>(GuestAddress(bitmap)).unwrap(),
+        0b0111,
+        "PFNs 0-2 initialized, the one outside RAM not"
+    );
     assert!(g.read(pages, 3 * 4096).iter().all(|&b| b == 0));
     assert!(g.read(pages - 4096, 4096).iter().all(|&b| b == 0x11));
     assert!(g.read(pages + 3 * 4096, 4096).iter().all(|&b| b == 0x11));
@@ -142,6 +166,23 @@ fn inflate_stats_config_and_target_over_socket_channel() {
     assert_eq!(c["counters"]["inflated_pages"], 4);
     assert_eq!(c["counters"]["discarded_bytes"], 3 * 4096);
     assert_eq!(c["counters"]["rejects"]["outside_memory"], 1);
+    assert_eq!(c["counters"]["pfns_not_initialized"], 1);
+
+    // a chain without the bitmap (a driver of the older reading of bit 7):
+    // the page is still released, the chain returned with used length 0
+    let page = pages + 8 * 4096;
+    g.fill(page, 4096, 0x11);
+    g.mem
+        .write_slice(&((page >> 12) as u32).to_le_bytes(), GuestAddress(data))
+        .unwrap();
+    g.queues[INFLATE].push(&g.mem, &[(data, 4, false)]);
+    g.kick(INFLATE);
+    g.queues[INFLATE].wait_used(&g.mem, 2);
+    assert_eq!(g.queues[INFLATE].used_len(&g.mem, 1), 0);
+    assert!(g.read(page, 4096).iter().all(|&b| b == 0));
+    let c = control(&d, r#"{"cmd":"get_counters"}"#);
+    assert_eq!(c["counters"]["inflate_bitmap_errors"], 1, "{c}");
+    assert_eq!(c["counters"]["pfns_not_initialized"], 2, "{c}");
 
     // stats: the device holds the buffer until asked
     let sbuf = GPA + 0x18_0000;
@@ -239,4 +280,317 @@ fn uml_pipe_channel_reconnect_and_sigterm() {
     assert!(status.success(), "{status:?}");
     assert!(!d.sock.exists());
     assert!(!d.ctl.exists());
+}
+
+/// Memory that cannot be discarded (a sealed memfd: `fallocate` fails with
+/// EPERM) is zero-filled before the report or inflate is acknowledged as
+/// initialized.
+#[test]
+fn failed_discard_falls_back_to_zero_fill_before_ack() {
+    let d = start_daemon("sealed", &[]);
+    let mut g = Guest::connect_opts(
+        &d,
+        None,
+        &Opts {
+            memfd_flags: libc::MFD_ALLOW_SEALING,
+            ..Opts::default()
+        },
+    );
+    g.fill(GPA + MIB, 8 * MIB, 0xab);
+    // Existing shared mappings stay writable; hole punching is refused.
+    // SAFETY: fcntl on a valid fd we own.
+    let rc = unsafe {
+        libc::fcntl(
+            g.file.as_raw_fd(),
+            libc::F_ADD_SEALS,
+            libc::F_SEAL_FUTURE_WRITE,
+        )
+    };
+    assert_eq!(rc, 0, "seal: {}", std::io::Error::last_os_error());
+
+    let start = GPA + 4 * MIB;
+    g.queues[REPORTING].push(&g.mem, &[(start, (2 * MIB) as u32, true)]);
+    g.kick(REPORTING);
+    g.queues[REPORTING].wait_used(&g.mem, 1);
+    assert!(
+        g.read(start, 2 * MIB).iter().all(|&b| b == 0),
+        "a report acknowledged as initialized reads zero although the discard failed"
+    );
+    assert_eq!(g.queues[REPORTING].used_len(&g.mem, 0), (2 * MIB) as u32);
+    assert!(g.read(start - 4096, 4096).iter().all(|&b| b == 0xab));
+
+    // the same for an inflated page under bit 7
+    let data = GPA + 0x10_0000;
+    let page = GPA + 7 * MIB;
+    g.mem
+        .write_obj(((page >> 12) as u32).to_le_bytes(), GuestAddress(data))
+        .unwrap();
+    g.mem.write_obj(0u8, GuestAddress(data + 0x800)).unwrap();
+    g.queues[INFLATE].push(&g.mem, &[(data, 4, false), (data + 0x800, 1, true)]);
+    g.kick(INFLATE);
+    g.queues[INFLATE].wait_used(&g.mem, 1);
+    assert!(g.read(page, 4096).iter().all(|&b| b == 0));
+    assert_eq!(g.mem.read_obj::<u8>(GuestAddress(data + 0x800)).unwrap(), 1);
+
+    let c = control(&d, r#"{"cmd":"get_counters"}"#);
+    assert_eq!(c["counters"]["discard_errors"], 2, "{c}");
+    assert_eq!(c["counters"]["zero_filled_bytes"], 2 * MIB + 4096, "{c}");
+    assert_eq!(c["counters"]["discarded_bytes"], 0, "{c}");
+}
+
+/// Under bit 6 with PAGE_POISON and a non-zero poison_val, reported pages
+/// are initialized to poison_val (not discarded, not kept as they were).
+#[test]
+fn reports_are_initialized_to_poison_val() {
+    let d = start_daemon("poisonfill", &[]);
+    let mut g = Guest::connect(&d, None);
+    g.fe.set_config(
+        12,
+        VhostUserConfigFlags::WRITABLE,
+        &0xaaaa_aaaau32.to_le_bytes(),
+    )
+    .unwrap();
+    wait_counters(&d, |c| c["poison_val"] == 0xaaaa_aaaau32);
+    let start = GPA + 4 * MIB;
+    g.fill(start, MIB, 0x11);
+    g.queues[REPORTING].push(&g.mem, &[(start, MIB as u32, true)]);
+    g.kick(REPORTING);
+    g.queues[REPORTING].wait_used(&g.mem, 1);
+    assert!(
+        g.read(start, MIB).iter().all(|&b| b == 0xaa),
+        "reported pages hold poison_val"
+    );
+    assert_eq!(g.queues[REPORTING].used_len(&g.mem, 0), MIB as u32);
+    let c = control(&d, r#"{"cmd":"get_counters"}"#);
+    assert_eq!(c["counters"]["poison_filled_bytes"], MIB, "{c}");
+}
+
+/// QEMU's generic vhost-user-device writes the whole 16-byte config space on
+/// every guest write: the driver-writable fields must be taken from it.
+#[test]
+fn whole_config_write_takes_actual_and_poison_val() {
+    let d = start_daemon("wholecfg", &[]);
+    let mut g = Guest::connect(&d, None);
+    let mut cfg = [0u8; 16];
+    cfg[0..4].copy_from_slice(&5u32.to_le_bytes()); // num_pages (stale copy)
+    cfg[4..8].copy_from_slice(&123u32.to_le_bytes()); // actual
+    cfg[8..12].copy_from_slice(&9u32.to_le_bytes()); // free_page_hint_cmd_id
+    cfg[12..16].copy_from_slice(&0xaaaa_aaaau32.to_le_bytes()); // poison_val
+    g.fe.set_config(0, VhostUserConfigFlags::WRITABLE, &cfg)
+        .unwrap();
+    let c = wait_counters(&d, |c| c["actual"] == 123);
+    assert_eq!(c["poison_val"], 0xaaaa_aaaau32, "{c}");
+    assert_eq!(c["target"], 1000, "num_pages stays device-owned");
+    let r = control(&d, r#"{"cmd":"get_config"}"#);
+    assert_eq!(r["config"]["free_page_hint_cmd_id"], 0, "{r}");
+    assert_eq!(c["counters"]["config_write_rejects"], 0, "{c}");
+}
+
+/// A kick on a ring that does not exist for the negotiated features (no
+/// STATS_VQ: reporting is ring 2, ring 3 does not exist) is ignored and
+/// counted; every other queue is still served.
+#[test]
+fn kick_on_a_queue_that_does_not_exist_is_ignored() {
+    let d = start_daemon("nosuchq", &[]);
+    let mut g = Guest::connect_opts(
+        &d,
+        None,
+        &Opts {
+            clear_features: 1 << 1, // STATS_VQ
+            ..Opts::default()
+        },
+    );
+    // setting up ring 3 may already count as a kick (the library kicks a
+    // ring once when it gets its kick fd)
+    std::thread::sleep(Duration::from_millis(200));
+    let before = control(&d, r#"{"cmd":"get_counters"}"#)["counters"]["bad_queue_kicks"]
+        .as_u64()
+        .unwrap();
+    g.kick(3);
+    std::thread::sleep(Duration::from_millis(200));
+    // reporting_vq is ring 2 now; lay the report out in ring 2's memory
+    g.fill(GPA + 4 * MIB, MIB, 0xab);
+    g.queues[2].push(&g.mem, &[(GPA + 4 * MIB, MIB as u32, true)]);
+    g.kick(2);
+    g.queues[2].wait_used(&g.mem, 1);
+    assert!(g.read(GPA + 4 * MIB, MIB).iter().all(|&b| b == 0));
+    let c = control(&d, r#"{"cmd":"get_counters"}"#);
+    assert_eq!(c["counters"]["reports"], 1, "{c}");
+    assert_eq!(c["counters"]["bad_queue_kicks"], before + 1, "{c}");
+}
+
+/// poison_val and actual are guest state: a reconnecting frontend does not
+/// make the guest write them again, so they survive the reconnect. A device
+/// reset clears them, and so does (for poison_val) a driver without
+/// PAGE_POISON.
+#[test]
+fn poison_val_and_actual_survive_reconnect_until_reset() {
+    let d = start_daemon("poison", &[]);
+    {
+        let mut g = Guest::connect(&d, None);
+        g.fe.set_config(
+            12,
+            VhostUserConfigFlags::WRITABLE,
+            &0xaaaa_aaaau32.to_le_bytes(),
+        )
+        .unwrap();
+        g.fe.set_config(4, VhostUserConfigFlags::WRITABLE, &5u32.to_le_bytes())
+            .unwrap();
+        wait_counters(&d, |c| {
+            c["poison_val"] == 0xaaaa_aaaau32 && c["actual"] == 5
+        });
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let mut g = Guest::connect_opts(
+        &d,
+        None,
+        &Opts {
+            protocol: VhostUserProtocolFeatures::RESET_DEVICE,
+            ..Opts::default()
+        },
+    );
+    let c = control(&d, r#"{"cmd":"get_counters"}"#);
+    assert_eq!(c["counters"]["connections"], 2);
+    assert_eq!(c["poison_val"], 0xaaaa_aaaau32, "poison_val kept: {c}");
+    assert_eq!(c["actual"], 5, "actual kept: {c}");
+
+    // a device reset puts the driver-written fields back to 0
+    g.fe.reset_device().unwrap();
+    let c = wait_counters(&d, |c| c["poison_val"] == 0);
+    assert_eq!(c["actual"], 0, "{c}");
+    drop(g);
+
+    // a driver without PAGE_POISON: poison_val means nothing, it is cleared
+    std::thread::sleep(Duration::from_millis(100));
+    let mut g = Guest::connect(&d, None);
+    g.fe.set_config(
+        12,
+        VhostUserConfigFlags::WRITABLE,
+        &0x5555_5555u32.to_le_bytes(),
+    )
+    .unwrap();
+    wait_counters(&d, |c| c["poison_val"] == 0x5555_5555u32);
+    drop(g);
+    std::thread::sleep(Duration::from_millis(100));
+    let _g = Guest::connect_opts(
+        &d,
+        None,
+        &Opts {
+            clear_features: 1 << 4, // PAGE_POISON
+            ..Opts::default()
+        },
+    );
+    let c = wait_counters(&d, |c| c["counters"]["connections"] == 4);
+    assert_eq!(c["poison_val"], 0, "{c}");
+}
+
+/// Whether the page at `gpa` is marked in a vhost-user dirty log (one bit
+/// per 4 KiB page of guest-physical address, LSB first).
+fn log_bit(log: &File, gpa: u64) -> bool {
+    use std::os::unix::fs::FileExt;
+    let page = gpa >> 12;
+    let mut b = [0u8; 1];
+    log.read_exact_at(&mut b, page / 8).unwrap();
+    b[0] & (1 << (page % 8)) != 0
+}
+
+/// Migration: with LOG_ALL and a shared log (LOG_SHMFD + SET_LOG_BASE),
+/// every range the device discards or fills and every used-ring write is
+/// marked dirty, so the frontend sends those pages again. Without a log,
+/// nothing is acknowledged as initialized. Turning LOG_ALL on does not drop
+/// the held stats buffer.
+#[test]
+fn dirty_log_records_discards_fills_and_used_rings() {
+    let d = start_daemon("dirtylog", &[]);
+    let mut g = Guest::connect_opts(
+        &d,
+        None,
+        &Opts {
+            log_all: true,
+            protocol: VhostUserProtocolFeatures::LOG_SHMFD,
+            ..Opts::default()
+        },
+    );
+    let log_size = ((GPA + MEM) >> 12).div_ceil(8);
+    let log = memfd(log_size);
+    g.fe.set_log_base(
+        0,
+        Some(vhost::VhostUserDirtyLogRegion {
+            mmap_size: log_size,
+            mmap_offset: 0,
+            mmap_handle: log.as_raw_fd(),
+        }),
+    )
+    .unwrap();
+
+    // a report: discarded (memfd) and logged
+    let start = GPA + 4 * MIB;
+    g.fill(start, 2 * MIB, 0xab);
+    assert!(!log_bit(&log, start));
+    g.queues[REPORTING].push(&g.mem, &[(start, (2 * MIB) as u32, true)]);
+    g.kick(REPORTING);
+    g.queues[REPORTING].wait_used(&g.mem, 1);
+    assert_eq!(g.queues[REPORTING].used_len(&g.mem, 0), (2 * MIB) as u32);
+    for p in (start..start + 2 * MIB).step_by(4096) {
+        assert!(log_bit(&log, p), "discarded page {p:#x} logged");
+    }
+    assert!(!log_bit(&log, start + 2 * MIB), "neighbour not logged");
+    assert!(
+        log_bit(&log, g.queues[REPORTING].used),
+        "used ring write logged"
+    );
+
+    // an inflate: the page and the bitmap the device wrote are logged
+    let data = GPA + 0x10_0000;
+    let page = GPA + 9 * MIB;
+    g.mem
+        .write_obj(((page >> 12) as u32).to_le_bytes(), GuestAddress(data))
+        .unwrap();
+    let bitmap = GPA + 0x11_0000;
+    g.queues[INFLATE].push(&g.mem, &[(data, 4, false), (bitmap, 1, true)]);
+    g.kick(INFLATE);
+    g.queues[INFLATE].wait_used(&g.mem, 1);
+    assert_eq!(g.mem.read_obj::<u8>(GuestAddress(bitmap)).unwrap(), 1);
+    assert!(log_bit(&log, page), "inflated page logged");
+    assert!(log_bit(&log, bitmap), "bitmap write logged");
+    assert!(!log_bit(&log, data), "the PFN array was only read");
+
+    // the held stats buffer survives LOG_ALL going off and on again
+    let sbuf = GPA + 0x18_0000;
+    let st = [4u8, 0, 1, 0, 0, 0, 0, 0, 0, 0];
+    g.mem.write_slice(&st, GuestAddress(sbuf)).unwrap();
+    g.queues[STATS].push(&g.mem, &[(sbuf, st.len() as u32, false)]);
+    g.kick(STATS);
+    wait_counters(&d, |c| c["counters"]["stats_updates"] == 1);
+    let f = g.fe.get_features().unwrap();
+    g.fe.set_features(f & !LOG_ALL).unwrap();
+    g.fe.set_features(f).unwrap();
+    g.fe.get_features().unwrap(); // round trip
+    let s = control(&d, r#"{"cmd":"get_stats","wait_ms":50}"#);
+    assert_eq!(s["ok"], true);
+    g.queues[STATS].wait_used(&g.mem, 1);
+    assert!(log_bit(&log, g.queues[STATS].used));
+    let c = control(&d, r#"{"cmd":"get_counters"}"#);
+    assert_eq!(c["counters"]["dirty_log_misses"], 0, "{c}");
+    drop(g);
+
+    // LOG_ALL without a shared log: the device cannot tell the frontend
+    // what it changed, so nothing is acknowledged as initialized
+    std::thread::sleep(Duration::from_millis(100));
+    let mut g = Guest::connect_opts(
+        &d,
+        None,
+        &Opts {
+            log_all: true,
+            ..Opts::default()
+        },
+    );
+    g.fill(start, MIB, 0xab);
+    g.queues[REPORTING].push(&g.mem, &[(start, MIB as u32, true)]);
+    g.kick(REPORTING);
+    g.queues[REPORTING].wait_used(&g.mem, 1);
+    assert_eq!(g.queues[REPORTING].used_len(&g.mem, 0), 0);
+    let c = control(&d, r#"{"cmd":"get_counters"}"#);
+    assert_eq!(c["counters"]["dirty_log_misses"], 1, "{c}");
+    assert_eq!(c["counters"]["reports_not_initialized"], 1, "{c}");
 }

@@ -61,11 +61,12 @@ def registry() -> dict[str, Scenario]:
     from .reclaim import ReclaimScenario
     from .split import Split
     from .zerobench import Zerobench
+    from .zerofirst import Zerofirst
     from .zeromix import Zeromix
     from .zeroskip import Zeroskip
 
     return {s.name: s for s in (ReclaimScenario(), Realloc(), Migrate(), Zeroskip(), Zeromix(),
-                                Zerobench(), Split())}
+                                Zerobench(), Zerofirst(), Split())}
 
 
 def get(name: str) -> Scenario:

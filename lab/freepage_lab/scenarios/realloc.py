@@ -60,7 +60,6 @@ class Realloc(Scenario):
     def run(self, ctx: RunContext, params: ReallocParams) -> Outcome:
         if ctx.platform != "qemu":
             raise LabError("realloc needs THP in the guest: run it with --platform qemu")
-        runner = ctx.runner()
         initrd = ctx.initrd("realloc", guest_script(params))
         samples: dict[str, dict[str, list[dict]]] = {v: {m: [] for m in params.modes}
                                                      for v in VARIANTS}
@@ -68,7 +67,7 @@ class Realloc(Scenario):
             for variant in abba(VARIANTS, rnd):
                 cfg = GuestConfig(kernel=ctx.kernel(), initrd=initrd, mem_mib=params.mem_mib,
                                   free_page_reporting=(variant == "reported"))
-                guest = runner.guest(f"realloc-{variant}-{rnd}", cfg,
+                guest = ctx.balloon_runner(cfg).guest(f"realloc-{variant}-{rnd}", cfg,
                                      ctx.log(f"realloc-{variant}-{rnd}"))
                 if ctx.shell.dry_run:
                     guest.start()

@@ -58,9 +58,9 @@ class ReclaimScenario(Scenario):
     Params = ReclaimParams
 
     def run(self, ctx: RunContext, params: ReclaimParams) -> Outcome:
-        runner = ctx.runner()
         cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("reclaim", guest_script(params)),
                           mem_mib=params.mem_mib)
+        runner = ctx.balloon_runner(cfg)
         host = ctx.balloon_host(cfg, "balloon")
         guest = runner.guest("reclaim", cfg, ctx.log("reclaim"))
         if ctx.shell.dry_run:

@@ -17,8 +17,8 @@ Variants, alternating ABBA across boots in one run:
            (UML: vhost-user-balloon started with --no-zero-bits; QEMU: no
            override)
   on       patched kernel + bench patch, reported pages are known zero and
-           __GFP_ZERO skips clearing them (UML: the daemon offers bit 6;
-           QEMU: virtio_balloon.assume_reported_zero=1)
+           __GFP_ZERO skips clearing them (bit 6 negotiated: UML through
+           vhost-user-balloon, QEMU through the patched QEMU of qemu/)
 
 Platforms: UML runs at native speed, but has no jump labels (every static
 key test is a load and a branch) and its timings move with the host. QEMU
@@ -57,6 +57,7 @@ from typing import Any
 
 from ..context import RunContext
 from ..initramfs import BOOTED
+from ..knobs import FLUSH
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import median_ratio, summarise
@@ -66,7 +67,6 @@ from . import Outcome, Scenario, abba, table
 BENCH_PATCH = "page-zeroed-bench.patch"
 BENCH_PROG = "page_zeroed_bench"
 RUN = "/sys/module/page_zeroed_bench/parameters/run"
-FLUSH = "/sys/module/page_reporting/parameters/flush"
 COUNTERS = ("pgzero_skipped", "pgzero_missed", "pgzero_marked_reported", "pgzero_merge_lost")
 VARIANTS = ("vanilla", "off", "on")
 MAX_PAGE_ORDER = 10
@@ -236,11 +236,9 @@ class Zerobench(Scenario):
         tag = f"zerobench-{ctx.platform}-{variant}-{rnd}"
         if ctx.platform == "qemu":
             cfg.extra_args += qemu_args
-            if variant == "on":
-                cfg.cmdline.append("virtio_balloon.assume_reported_zero=1")
         # UML: the daemon offers bit 6 (reported pages read as zero) only for "on"
         host = ctx.balloon_host(cfg, tag, () if variant == "on" else ("--no-zero-bits",))
-        guest = ctx.runner().guest(tag, cfg, ctx.log(tag))
+        guest = ctx.balloon_runner(cfg, zeroing=variant == "on").guest(tag, cfg, ctx.log(tag))
         if ctx.shell.dry_run:
             with host:
                 guest.start()

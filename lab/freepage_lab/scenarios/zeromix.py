@@ -16,8 +16,8 @@ around its populate.  The flush knob is used at most once, before the first
 cycle (initial_flush), so the run starts from a reported state.
 
 Variants, alternating ABBA over `rounds` boots, all on the patched series
-with reported pages known zero (QEMU: virtio_balloon.assume_reported_zero=1,
-UML: vhost-user-balloon offering bit 6):
+with reported pages known zero (bit 6 negotiated: the patched QEMU of qemu/,
+or vhost-user-balloon on UML):
   on            the series
   on+<patch>    the series plus the test-only kernel/bench/<patch>.patch,
                 e.g. on+no-zero-preference
@@ -35,12 +35,12 @@ from typing import Any
 
 from ..context import RunContext
 from ..initramfs import BOOTED
+from ..knobs import FLUSH
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import median_ratio, quantile, summarise
 from . import Outcome, Scenario, abba, table
 
-FLUSH = "/sys/module/page_reporting/parameters/flush"
 PCP_HIGH_FRACTION = "/proc/sys/vm/percpu_pagelist_high_fraction"
 FILE = "/tmp/zeromix.file"
 # counters every snapshot must carry (pages); the other pgzero_* come along
@@ -367,11 +367,9 @@ class Zeromix(Scenario):
                           initrd=ctx.initrd(f"zeromix-{ctx.platform}",
                                             guest_script(params, ctx.platform)),
                           mem_mib=params.mem_mib)
-        if ctx.platform == "qemu":
-            cfg.cmdline.append("virtio_balloon.assume_reported_zero=1")
         tag = f"zeromix-{ctx.platform}-{variant}-{rnd}"
         host = ctx.balloon_host(cfg, tag)  # UML: the daemon offers bit 6
-        guest = ctx.runner().guest(tag, cfg, ctx.log(tag))
+        guest = ctx.balloon_runner(cfg, zeroing=True).guest(tag, cfg, ctx.log(tag))
         if ctx.shell.dry_run:
             with host:  # prints the daemon's command line too
                 guest.start()

@@ -5,10 +5,9 @@ Variants, alternating in one run:
   off      patched kernel, reported pages not known zero (feature inactive)
   limit    (opt-in) the patched kernel plus a test-only patch that never
            zeroes user pages: how fast a populate could possibly be
-  on       patched kernel, reported pages known zero: on QEMU through the
-           explicit opt-in `virtio_balloon.assume_reported_zero=1` (stock
-           QEMU cannot offer bit 6), on UML through vhost-user-balloon
-           offering bit 6 for real (`off` there runs it with --no-zero-bits).
+  on       patched kernel, reported pages known zero: bit 6 negotiated
+           with the patched QEMU of qemu/, or with vhost-user-balloon on
+           UML (`off` there runs it with --no-zero-bits).
 Per mode and repetition: populate with data, free, report now (the
 series' page_reporting.flush knob; the stock kernel waits for its 2 s
 timer), then time a populate of the same size with every byte verified and
@@ -22,12 +21,12 @@ from typing import Any
 
 from ..context import RunContext
 from ..initramfs import BOOTED
+from ..knobs import FLUSH
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, abba, table
 
-FLUSH = "/sys/module/page_reporting/parameters/flush"
 # test-only: a kernel that never zeroes anonymous/THP/hugetlb user pages (unsafe)
 LIMIT_PATCH = "unsafe-no-user-page-zeroing.patch"
 COUNTERS = ("pgzero_skipped", "pgzero_missed", "pgzero_marked_reported", "pgzero_merge_lost")
@@ -89,12 +88,11 @@ class Zeroskip(Scenario):
                           initrd=ctx.initrd(f"zeroskip-{ctx.platform}",
                                             guest_script(params, modes)),
                           mem_mib=params.mem_mib)
-        if ctx.platform == "qemu" and variant == "on":
-            cfg.cmdline.append("virtio_balloon.assume_reported_zero=1")
+        runner = ctx.balloon_runner(cfg, zeroing=variant == "on")
         tag = f"zeroskip-{ctx.platform}-{variant}-{rnd}"
         # UML: the daemon offers bit 6 only for "on"
         host = ctx.balloon_host(cfg, tag, () if variant == "on" else ("--no-zero-bits",))
-        guest = ctx.runner().guest(tag, cfg, ctx.log(tag))
+        guest = runner.guest(tag, cfg, ctx.log(tag))
         if ctx.shell.dry_run:
             guest.start()
             return [], []

@@ -1,6 +1,8 @@
 //! Fuzzes everything the guest controls, through the pure parsing and
-//! validation functions: PFN arrays (inflateq/deflateq), reported ranges
-//! (reporting_vq descriptors), stats payloads (statsq) and config writes.
+//! validation functions: PFN arrays (inflateq/deflateq), the inflate bitmap
+//! written back under bit 7, reported ranges and the used length under bit 6
+//! (reporting_vq descriptors), stats payloads (statsq) and config writes
+//! (partial, whole-space as QEMU's vhost-user-device sends them, or larger).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -37,7 +39,7 @@ fuzz_target!(|data: &[u8]| {
     if data.len() < 4 {
         return;
     }
-    let sel = data[0] % 5;
+    let sel = data[0] % 7;
     let body = &data[1..];
     // Two regions with a hole between them, like UML's highmem layout.
     let regions = [
@@ -76,16 +78,71 @@ fuzz_target!(|data: &[u8]| {
         3 => {
             let off = u32::from_le_bytes([body[0], body[1], body[2], 0]) % 40;
             let cfg = BalloonConfig { num_pages: 7, actual: 1, free_page_hint_cmd_id: 0, poison_val: 0 };
-            match cfg.apply_write(off, &body[3..]) {
-                Ok(n) => {
+            let data = &body[3..];
+            match cfg.apply_write(off, data) {
+                Ok(w) => {
                     // device-owned fields never change
-                    assert_eq!(n.num_pages, 7);
-                    assert_eq!(n.free_page_hint_cmd_id, 0);
+                    assert_eq!(w.config.num_pages, 7);
+                    assert_eq!(w.config.free_page_hint_cmd_id, 0);
+                    assert!(w.ignored < data.len());
+                    // the driver-writable bytes of the write are taken
+                    let img = w.config.to_bytes();
+                    for (i, &b) in data.iter().enumerate() {
+                        let o = off as usize + i;
+                        if (4..8).contains(&o) || (12..16).contains(&o) {
+                            assert_eq!(img[o], b);
+                        }
+                    }
                 }
-                Err(_) => {}
+                Err(_) => {
+                    // nothing driver-writable in the write
+                    let hits = (0..data.len())
+                        .map(|i| off as usize + i)
+                        .any(|o| (4..8).contains(&o) || (12..16).contains(&o));
+                    assert!(!hits);
+                }
             }
             let size = u32::from(body[1]);
             assert_eq!(cfg.read(off, size).len(), size as usize);
+        }
+        5 => {
+            // inflate bitmap (bit 7): PFNs from the first half, ranges the
+            // device failed to initialize from the second half
+            let (a, b) = body.split_at(body.len() / 2);
+            let pfns: Vec<u32> = a
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            let failed: Vec<GuestRange> = b
+                .chunks(16)
+                .map(|c| GuestRange::new(u64_at(c, 0), u64_at(c, 8) & 0xff_ffff))
+                .collect();
+            let map = ranges::inflate_bitmap(&pfns, &regions, &failed);
+            assert_eq!(map.len(), spec::inflate_bitmap_len(pfns.len()));
+            for (i, page) in ranges::pfns_to_ranges(&pfns).into_iter().enumerate() {
+                let set = map[i / 8] & (1 << (i % 8)) != 0;
+                if set {
+                    // only valid pages the device initialized
+                    assert!(ranges::validate(page, &regions, PAGE_SIZE).is_ok());
+                    assert!(!failed.iter().any(|f| ranges::overlaps(*f, page)));
+                }
+            }
+            // no bit past the last PFN
+            if pfns.len() % 8 != 0 {
+                let last = map[map.len() - 1];
+                assert_eq!(last >> (pfns.len() % 8), 0);
+            }
+        }
+        6 => {
+            // used length of a report (bit 6)
+            let lens: Vec<u32> = body
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            let total: u64 = lens.iter().map(|&l| u64::from(l)).sum();
+            let used = ranges::report_used_len(&lens, true);
+            assert!(u64::from(used) == total || (used == 0 && total > u64::from(u32::MAX)));
+            assert_eq!(ranges::report_used_len(&lens, false), 0);
         }
         _ => {
             let r = GuestRange::new(u64_at(body, 0), u64_at(body, 8));

@@ -36,6 +36,8 @@ pub const MEM: u64 = 16 << 20;
 /// Default ring size (tests).
 pub const QSIZE: u16 = 16;
 pub const MIB: u64 = 1 << 20;
+/// `VHOST_F_LOG_ALL`.
+pub const LOG_ALL: u64 = 1 << 26;
 
 // queue indexes with every feature negotiated
 pub const INFLATE: usize = 0;
@@ -140,9 +142,14 @@ pub fn wait_counters(d: &Daemon, ok: impl Fn(&Value) -> bool) -> Value {
 }
 
 pub fn memfd(size: u64) -> File {
+    memfd_flags(size, 0)
+}
+
+/// A memfd with extra `memfd_create` flags (e.g. `MFD_ALLOW_SEALING`).
+pub fn memfd_flags(size: u64, flags: libc::c_uint) -> File {
     let name = CString::new("guest-ram").unwrap();
     // SAFETY: valid C string; we own the returned fd.
-    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | flags) };
     assert!(fd >= 0);
     // SAFETY: fresh fd owned by nobody else.
     let f = unsafe { File::from_raw_fd(fd) };
@@ -207,6 +214,20 @@ impl TestQueue {
         mem.read_obj(GuestAddress(self.used + 2)).unwrap()
     }
 
+    /// `(id, len)` of used ring element `i`.
+    pub fn used_elem(&self, mem: &GuestMemoryMmap, i: u16) -> (u32, u32) {
+        let e = self.used + 4 + u64::from(i % self.size) * 8;
+        (
+            mem.read_obj(GuestAddress(e)).unwrap(),
+            mem.read_obj(GuestAddress(e + 4)).unwrap(),
+        )
+    }
+
+    /// Used length of used ring element `i`.
+    pub fn used_len(&self, mem: &GuestMemoryMmap, i: u16) -> u32 {
+        self.used_elem(mem, i).1
+    }
+
     pub fn wait_used(&self, mem: &GuestMemoryMmap, want: u16) {
         let t = Instant::now();
         while self.used_idx(mem) != want {
@@ -216,6 +237,39 @@ impl TestQueue {
                 self.used_idx(mem)
             );
             std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+/// How [`Guest::connect_opts`] connects.
+pub struct Opts {
+    /// Guest memory size.
+    pub mem_size: u64,
+    /// Ring size.
+    pub qsize: u16,
+    /// Virtio feature bits the frontend does not accept (mask).
+    pub clear_features: u64,
+    /// Assert that bits 6 and 7 are offered.
+    pub require_init_bits: bool,
+    /// Protocol features to negotiate on top of CONFIG and REPLY_ACK.
+    pub protocol: VhostUserProtocolFeatures,
+    /// Extra `memfd_create` flags for guest memory.
+    pub memfd_flags: libc::c_uint,
+    /// Accept VHOST_F_LOG_ALL (a migrating frontend); off by default, as a
+    /// frontend sets it only while it migrates.
+    pub log_all: bool,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Self {
+            mem_size: MEM,
+            qsize: QSIZE,
+            clear_features: 0,
+            require_init_bits: true,
+            protocol: VhostUserProtocolFeatures::empty(),
+            memfd_flags: 0,
+            log_all: false,
         }
     }
 }
@@ -249,7 +303,21 @@ impl Guest {
         mem_size: u64,
         qsize: u16,
     ) -> Guest {
-        let file = memfd(mem_size);
+        Self::connect_opts(
+            d,
+            backend_req,
+            &Opts {
+                mem_size,
+                qsize,
+                ..Opts::default()
+            },
+        )
+    }
+
+    /// Connects as described by `o`.
+    pub fn connect_opts(d: &Daemon, backend_req: Option<&dyn AsRawFd>, o: &Opts) -> Guest {
+        let (mem_size, qsize) = (o.mem_size, o.qsize);
+        let file = memfd_flags(mem_size, o.memfd_flags);
         let region = MmapRegion::from_file(
             FileOffset::new(file.try_clone().unwrap(), 0),
             mem_size as usize,
@@ -263,13 +331,28 @@ impl Guest {
         let mut fe = Frontend::connect(&d.sock, 4).unwrap();
         fe.set_owner().unwrap();
         let features = fe.get_features().unwrap();
-        assert_ne!(features & (1 << 6), 0, "bit 6 offered");
-        assert_ne!(features & (1 << 7), 0, "bit 7 offered");
+        if o.require_init_bits {
+            assert_ne!(features & (1 << 6), 0, "bit 6 offered");
+            assert_ne!(features & (1 << 7), 0, "bit 7 offered");
+        }
         assert_eq!(features & (1 << 3), 0, "hinting never offered");
-        fe.set_features(features).unwrap();
+        let log_all = if o.log_all {
+            assert_ne!(features & LOG_ALL, 0, "LOG_ALL offered");
+            0
+        } else {
+            LOG_ALL
+        };
+        fe.set_features(features & !o.clear_features & !log_all)
+            .unwrap();
         let pf = fe.get_protocol_features().unwrap();
         assert!(pf.contains(VhostUserProtocolFeatures::CONFIG));
-        let mut want = VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::REPLY_ACK;
+        assert!(
+            pf.contains(o.protocol),
+            "protocol features {:?} offered (offer: {pf:?})",
+            o.protocol
+        );
+        let mut want =
+            VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::REPLY_ACK | o.protocol;
         if backend_req.is_some() {
             want |= VhostUserProtocolFeatures::BACKEND_REQ;
         }

@@ -1,0 +1,120 @@
+"""`freepage demo`: stock vs freepage, side by side, for every feature.
+
+stock    = Linux 6.12 as Debian ships it + Debian's QEMU 10.0 (or UML with
+           vhost-user-balloon offering no zeroing bits)
+freepage = the kernel series + QEMU with qemu/patches (or vhost-user-balloon
+           offering bits 6 and 7)
+
+Two kinds of steps:
+- "ab": the scenario runs once per side and the medians of both land in
+  one table (metric, stock, freepage, freepage/stock);
+- "own": the scenario compares its own variants in one run (stock among
+  them), which is the stronger A/B; its table is printed as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import scenarios
+from .context import RunContext
+from .scenarios import Outcome, table
+from .shell import Shell
+
+
+@dataclass(frozen=True)
+class Step:
+    title: str
+    scenario: str
+    platform: str
+    kind: str  # "ab" or "own"
+    params: dict[str, str]
+    quick: dict[str, str]
+
+
+STEPS = (
+    Step("free page reporting: how fast freed memory goes back to the host",
+         "reclaim", "qemu", "ab", {}, {"repeat": "1", "modes": "4k,thp"}),
+    Step("populate after reporting: the double zeroing",
+         "realloc", "qemu", "ab", {}, {"repeat": "1", "rounds": "1"}),
+    Step("live migration with and without free page hinting",
+         "migrate", "qemu", "ab", {}, {"rounds": "1", "workloads": "idle", "fill_mib": "400"}),
+    Step("never zero twice: populate after reporting (stock / series off / series on)",
+         "zeroskip", "qemu", "own", {"variants": "vanilla,off,on"},
+         {"variants": "vanilla,off,on", "rounds": "1", "repeat": "1", "modes": "4k,thp"}),
+    Step("zeroing allocations and the host's footprint (init_on_alloc=1)",
+         "zerofirst", "uml", "own", {"pcp_high_fraction": "1000"},
+         {"pcp_high_fraction": "1000", "rounds": "1", "iterations": "2"}),
+    Step("free page reporting on UML + vhost-user-balloon",
+         "reclaim", "uml", "ab", {"modes": "4k", "mem_mib": "1024", "pcp_high_fraction": "1000"},
+         {"modes": "4k", "mem_mib": "1024", "pcp_high_fraction": "1000", "repeat": "1"}),
+    Step("faster eager split on arm64 KVM: split work in guest instructions (stock / series)",
+         "split", "arm64", "own", {"mib": "256"}, {"mib": "64", "rounds": "1"}),
+)
+
+
+def medians(data: object, prefix: str = "") -> dict[str, float]:
+    """Every numeric 'median' in a result tree, keyed by its path."""
+    out: dict[str, float] = {}
+    if isinstance(data, dict):
+        for k, v in data.items():
+            path = f"{prefix}.{k}" if prefix else str(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and (
+                    k == "median" or prefix.endswith("median")):
+                out[path] = float(v)
+            else:
+                out.update(medians(v, path))
+    return out
+
+
+def side_by_side(stock: dict[str, Any], freepage: dict[str, Any]) -> str:
+    """Medians of two result trees of the same scenario, row by row."""
+    a, b = medians(stock), medians(freepage)
+    rows = []
+    for key in sorted(set(a) & set(b)):
+        ratio = f"{b[key] / a[key]:.2f}x" if a[key] else "n/a"
+        rows.append([key.removesuffix(".median"), f"{a[key]:.2f}", f"{b[key]:.2f}", ratio])
+    if not rows:
+        return "(no common medians)"
+    return table(["metric (median)", "stock", "freepage", "freepage/stock"], rows)
+
+
+def contexts(shell: Shell, accel: str) -> tuple[RunContext, RunContext]:
+    stock = RunContext.create(shell, "demo", accel=accel)
+    freepage = RunContext(shell=shell, run_dir=stock.run_dir, accel=accel, patched=True,
+                          patched_qemu=True)
+    return stock, freepage
+
+
+def run_step(step: Step, stock: RunContext, freepage: RunContext, quick: bool) -> str:
+    scenario = scenarios.get(step.scenario)
+    params = scenario.params(step.quick if quick else step.params)
+    for ctx in (stock, freepage):
+        ctx.platform = step.platform
+    if step.kind == "own":
+        outcome: Outcome = scenario.run(freepage, params)
+        return outcome.table
+    a = scenario.run(stock, params)
+    b = scenario.run(freepage, params)
+    if stock.shell.dry_run:
+        return "(dry run)"
+    return side_by_side(a.data, b.data)
+
+
+def run(shell: Shell, accel: str, quick: bool, only: tuple[str, ...] = ()) -> Path:
+    stock, freepage = contexts(shell, accel)
+    texts = []
+    for step in STEPS:
+        if only and step.scenario not in only:
+            continue
+        head = f"== {step.title} [{step.scenario} on {step.platform}] =="
+        print(head, flush=True)
+        text = run_step(step, stock, freepage, quick)
+        print(text, flush=True)
+        texts.append(f"{head}\n{text}")
+    if not shell.dry_run:
+        (stock.run_dir / "summary.txt").write_text("\n\n".join(texts) + "\n")
+    print(f"results: {stock.run_dir}")
+    return stock.run_dir

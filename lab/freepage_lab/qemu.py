@@ -1,0 +1,343 @@
+"""The QEMU side of the lab: pristine base, patch queue (qemu/), cached builds.
+
+The twin of kernel.py. The stock baseline is Debian's qemu-system-x86 from
+bookworm-backports (QEMU 10.0); the freepage variants run a build of the
+same QEMU release with qemu/patches applied.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import kernel, paths
+from .kernel import Series
+from .runners import STOCK_QEMU
+from .shell import LabError, Shell, StageResult, timed
+
+# Debian's qemu source package in bookworm-backports; the +ds orig tarball
+# is pristine upstream QEMU minus the firmware blobs Debian builds itself.
+BASE_VERSION = "10.0.2+ds"
+BASE_TARBALL = f"qemu_{BASE_VERSION}.orig.tar.xz"
+BASE_SHA256 = "0901da33844a331bf8b3602b9c1fbd178e60b737c8e3ade678255bd090c9b9f1"
+BASE_URL = f"http://deb.debian.org/debian/pool/main/q/qemu/{BASE_TARBALL}"
+BASE_DIRNAME = "qemu-10.0.2"
+
+CONFIGURE_FLAGS = (
+    "--target-list=x86_64-softmmu",
+    "--disable-docs",
+    "--disable-install-blobs",
+    "--disable-tools",
+    "--disable-guest-agent",
+    # PATH may hold another python (pyenv); meson's venv wants Debian's
+    "--python=/usr/bin/python3",
+)
+
+BINARY_NAME = "qemu-system-x86_64"
+
+
+def cache_root() -> Path:
+    return paths.cache_dir() / "qemu"
+
+
+# --------------------------------------------------------------------------
+# Pristine base
+# --------------------------------------------------------------------------
+
+def tarball(shell: Shell) -> Path:
+    """The orig tarball, downloaded once from Debian's pool and checked."""
+    dest = cache_root() / "dist" / BASE_TARBALL
+    if dest.is_file():
+        if sha256_file(dest) != BASE_SHA256:
+            raise LabError(f"{dest}: sha256 mismatch (want {BASE_SHA256}); remove it")
+        return dest
+    part = dest.with_suffix(".part")
+    shell.run(["curl", "-sSfL", "--create-dirs", "-o", part, BASE_URL],
+              what=f"download {BASE_TARBALL}")
+    if shell.dry_run:
+        return dest
+    got = sha256_file(part)
+    if got != BASE_SHA256:
+        part.unlink()
+        raise LabError(f"{BASE_URL}: sha256 {got}, want {BASE_SHA256} (as in the .dsc)")
+    part.rename(dest)
+    return dest
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def edk2_placeholders(tree: Path) -> list[Path]:
+    """The edk2 *.fd.bz2 files pc-bios/meson.build lists but the +ds tarball lacks.
+
+    Meson wants them to exist even for a build that does not install
+    blobs; empty bzip2 streams do (x86 guests boot SeaBIOS from -L).
+    """
+    build = tree / "pc-bios" / "meson.build"
+    names = re.findall(r"'(edk2-[^']+\.fd)'", build.read_text()) if build.is_file() else []
+    return [tree / "pc-bios" / f"{n}.bz2" for n in names]
+
+
+EMPTY_BZIP2 = bytes.fromhex("425a683917724538509000000000")
+
+
+def base_tree(shell: Shell) -> Path:
+    """Extract the pristine source once (plus the edk2 placeholders)."""
+    tree = cache_root() / "base" / BASE_DIRNAME
+    marker = tree / ".freepage-extracted"
+    if marker.exists() and marker.read_text().strip() == BASE_VERSION:
+        return tree
+    src = tarball(shell)
+    if not shell.dry_run:
+        if tree.exists():
+            shutil.rmtree(tree)
+        tree.parent.mkdir(parents=True, exist_ok=True)
+    shell.run(["tar", "--no-same-owner", "-C", tree.parent, "-xf", src],
+              what="extract QEMU source")
+    if shell.dry_run:
+        return tree
+    for f in edk2_placeholders(tree):
+        if not f.exists():
+            f.write_bytes(EMPTY_BZIP2)
+    marker.write_text(BASE_VERSION + "\n")
+    return tree
+
+
+# --------------------------------------------------------------------------
+# Patch queue
+# --------------------------------------------------------------------------
+
+def load_series() -> Series:
+    return Series.load(paths.QEMU_PATCH_DIR)
+
+
+def tree_path(series: Series) -> Path:
+    h = hashlib.sha256(BASE_VERSION.encode() + b"\0")
+    h.update((series.digest() if series.names else "vanilla").encode())
+    return cache_root() / "src" / h.hexdigest()[:16]
+
+
+def applied_tree(shell: Shell, series: Series) -> Path:
+    """The base with the series applied, hard-linked and cached (see kernel.py)."""
+    base = base_tree(shell)
+    tree = tree_path(series)
+    if (tree / ".freepage-applied").exists():
+        return tree
+    if shell.dry_run:
+        _apply(shell, base, tree, series)
+        return tree
+    tree.parent.mkdir(parents=True, exist_ok=True)
+    with open(tree.parent / f"{tree.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (tree / ".freepage-applied").exists():
+            return tree
+        if tree.exists():
+            shutil.rmtree(tree)
+        _apply(shell, base, tree, series)
+        (tree / ".freepage-applied").write_text("\n".join(series.names) + "\n")
+    return tree
+
+
+def _apply(shell: Shell, base: Path, tree: Path, series: Series) -> None:
+    shell.run(["cp", "-al", base, tree], what="link QEMU base tree")
+    for patch in series.files:
+        shell.run(["patch", "-p1", "-N", "-s", "--no-backup-if-mismatch", "-d", tree, "-i", patch],
+                  what=f"apply {patch.name}")
+
+
+def materialise(shell: Shell, series: Series, dest: Path) -> None:
+    """A git work tree: base commit = pristine source, then one commit per patch."""
+    if dest.exists() and any(dest.iterdir()):
+        raise LabError(f"{dest} exists and is not empty; remove it or pick another dir")
+    base = base_tree(shell)
+    shell.run(["cp", "-a", f"{base}/.", dest], what="copy QEMU base tree")
+    git: list[str | os.PathLike[str]] = ["git", "-C", dest, "-c", "user.name=freepage",
+                                         "-c", "user.email=dev@freepage.invalid"]
+    shell.run([*git, "init", "-q"], what="git init")
+    shell.run([*git, "add", "-f", "-A"], what="git add")
+    shell.run([*git, "commit", "-q", "-m", f"base: qemu {BASE_VERSION} (Debian orig tarball)"],
+              what="git commit base")
+    shell.run([*git, "tag", "freepage-base"], what="git tag")
+    if series.files:
+        shell.run([*git, "am", "-q", *series.files], what="git am series")
+
+
+def export(shell: Shell, tree: Path) -> list[str]:
+    return kernel.export(shell, tree, paths.QEMU_PATCH_DIR)
+
+
+def checkpatch_problems(output: str) -> list[str]:
+    """ERROR and WARNING lines of QEMU's checkpatch.pl (clean means none)."""
+    return [ln for ln in output.splitlines() if re.search(r"(^|: )(ERROR|WARNING):", ln)]
+
+
+def check(shell: Shell, series: Series) -> StageResult:
+    """The series applies to the pristine base and is checkpatch.pl clean."""
+    finish = timed("check qemu")
+    base = base_tree(shell)
+    with tempfile.TemporaryDirectory(prefix="freepage-qemu-check-") as tmp:
+        scratch = Path(tmp) / "tree"
+        if series.names:
+            shell.run(["cp", "-al", base, scratch], what="link QEMU base tree")
+            for patch in series.files:
+                shell.run(["patch", "-p1", "-N", "-s", "--dry-run", "-d", scratch, "-i", patch],
+                          what=f"{patch.name} does not apply")
+                shell.run(["patch", "-p1", "-N", "-s", "--no-backup-if-mismatch",
+                           "-d", scratch, "-i", patch], what=f"apply {patch.name}")
+    problems = []
+    for patch in series.files:
+        argv: list[str | os.PathLike[str]] = [base / "scripts" / "checkpatch.pl",
+                                               "--no-summary", "--terse", patch]
+        # not shell.run: checkpatch's exit code alone hides warnings
+        shell.show(argv, base)
+        if shell.dry_run:
+            continue
+        proc = subprocess.run([str(a) for a in argv], cwd=base, capture_output=True, text=True,
+                              check=False)
+        bad = checkpatch_problems(proc.stdout + proc.stderr)
+        if proc.returncode != 0 or bad:
+            problems.append(f"{patch.name}:\n  " + "\n  ".join(bad or [proc.stdout.strip()]))
+    if problems:
+        return finish("failed", "\n".join(problems))
+    return finish("ok", f"{len(series.names)} QEMU patches apply and are checkpatch.pl clean")
+
+
+# --------------------------------------------------------------------------
+# Builds
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BuiltQemu:
+    out_dir: Path
+    binary: Path
+    key: str
+
+
+def build_key(series: Series, flags: tuple[str, ...] = CONFIGURE_FLAGS) -> str:
+    h = hashlib.sha256(f"{BASE_VERSION}\0".encode())
+    h.update((series.digest() if series.names else "vanilla").encode())
+    for f in flags:
+        h.update(f.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def configure_argv(src: Path, flags: tuple[str, ...] = CONFIGURE_FLAGS) -> list[str]:
+    return [str(src / "configure"), *flags]
+
+
+def build(shell: Shell, series: Series | None = None,
+          extra_patches: tuple[str, ...] = ()) -> BuiltQemu:
+    """Configure and build out of tree, or return the cached build.
+
+    `extra_patches`: test-only patches from qemu/bench/, applied after the
+    series (e.g. one that takes a fix back out, to show a test fails).
+
+    The build directory is a direct child of the applied tree, so meson
+    names sources "../hw/...": with ccache a series edit recompiles only
+    the files it touched.
+    """
+    series = load_series() if series is None else series
+    for name in extra_patches:
+        if not (paths.QEMU_DIR / "bench" / name).is_file():
+            raise LabError(f"test-only patch qemu/bench/{name} does not exist")
+    if extra_patches:
+        series = Series(series.directory,
+                        series.names + tuple(f"../bench/{n}" for n in extra_patches))
+    key = build_key(series)
+    out = tree_path(series) / f"build-{key}"
+    binary = out / BINARY_NAME
+    if shell.dry_run:
+        return _build_locked(shell, series, out, binary, key)
+    locks = cache_root() / "build"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{key}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print("build qemu: waiting for another build of the same QEMU", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_locked(shell, series, out, binary, key)
+
+
+def _build_locked(shell: Shell, series: Series, out: Path, binary: Path, key: str) -> BuiltQemu:
+    if (out / ".freepage-done").exists() and binary.exists():
+        print(f"build qemu: cached ({binary})", flush=True)
+        return BuiltQemu(out, binary, key)
+    src = applied_tree(shell, series)
+    if out.exists() and not shell.dry_run:
+        shutil.rmtree(out)
+    if not shell.dry_run:
+        out.mkdir(parents=True)
+    env = kernel.ccache_env() or {}
+    if env:
+        env = {**env, "CC": "ccache gcc", "CXX": "ccache g++"}
+    start = time.monotonic()
+    shell.run(configure_argv(src), cwd=out, env=env, log=out / "configure.log",
+              what="configure QEMU")
+    shell.run(["nice", "-n", "5", "ninja", "-C", out, BINARY_NAME], env=env,
+              log=out / "build.log", what="build QEMU")
+    if shell.dry_run:
+        return BuiltQemu(out, binary, key)
+    if not binary.exists():
+        raise LabError(f"QEMU build produced no {binary}")
+    # release tarballs do not build with -Werror: hold the series to it
+    warned = series_warnings((out / "build.log").read_text(errors="replace"),
+                             patched_files(series))
+    if warned:
+        raise LabError("QEMU build: warnings in files the series touches:\n  "
+                       + "\n  ".join(warned[:10]))
+    elapsed = time.monotonic() - start
+    (out / ".freepage-done").write_text(f"{elapsed:.1f}\n")
+    print(f"build qemu: done in {elapsed:.0f} s ({binary})", flush=True)
+    return BuiltQemu(out, binary, key)
+
+
+def patched_files(series: Series) -> set[str]:
+    """Source files a series changes (from the patches' +++ lines)."""
+    files = set()
+    for patch in series.files:
+        files.update(re.findall(r"^\+\+\+ b/(\S+)", patch.read_text(errors="replace"), re.M))
+    return files
+
+
+def series_warnings(log: str, files: set[str]) -> list[str]:
+    """Compiler warnings in a build log that point into `files` ("../hw/x.c:12:3: warning")."""
+    out = []
+    for line in log.splitlines():
+        m = re.match(r"^(?:\.\./)?(\S+?):\d+:(?:\d+:)? warning:", line)
+        if m and m.group(1) in files:
+            out.append(line)
+    return out
+
+
+def build_stage(shell: Shell) -> tuple[StageResult, BuiltQemu | None]:
+    finish = timed("build qemu")
+    try:
+        built = build(shell)
+    except LabError as exc:
+        return finish("failed", str(exc)), None
+    return finish("ok", str(built.binary)), built
+
+
+def stock_version(binary: Path = STOCK_QEMU) -> tuple[int, int] | None:
+    """(major, minor) of an installed QEMU, None if it is not there."""
+    try:
+        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
+                             check=False).stdout
+    except OSError:
+        return None
+    m = re.search(r"version (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None

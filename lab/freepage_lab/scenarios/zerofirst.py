@@ -1,0 +1,187 @@
+"""zerofirst: what the zero-first allocation policy costs the host.
+
+With init_on_alloc=1 (many distributions' default) every allocation
+clears its pages, so a policy that sends zeroing allocations to known zero
+free blocks sends all of them to the blocks the host discarded after free
+page reporting. The guest saves its clearing; the host faults the memory
+back in and clears it itself, while free memory it still backs stays
+unused.
+
+Per iteration the guest
+  1. populates and frees `reported_mib` of data and flushes reporting:
+     that memory is discarded on the host and known zero in the guest,
+  2. populates and frees `backed_mib` of data without reporting it: the
+     host still backs it, the guest's free lists hold it in front,
+  3. populates `work_mib` (4 KiB pages) right away, every byte verified.
+The host samples its footprint around step 3.
+
+Variants (init_on_alloc=1 on all):
+  vanilla   stock 6.12
+  tail      the series with zero-first taking reported blocks from the
+            tail (kernel/bench/zero-first-reported.patch restores that)
+  series    the series: reported blocks stay behind backed memory
+Reported: host footprint growth over step 3 (MiB), the populate's CPU
+time and populate + touch wall time (ms), and the share of zeroing the
+guest skipped. Needs a balloon that zeroes reported pages (bit 6): the
+patched QEMU on x86, vhost-user-balloon on UML.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..context import RunContext
+from ..footprint import Sampler, value_at
+from ..initramfs import EVENT
+from ..knobs import FLUSH
+from ..runners import GuestConfig
+from ..shell import LabError
+from ..stats import fmt_ratio, median_ratio, summarise
+from . import Outcome, Scenario, abba, table
+
+MIB = 1 << 20
+POLICY_PATCH = "zero-first-reported.patch"
+VARIANTS = ("vanilla", "tail", "series")
+COUNTERS = ("pgzero_skipped", "pgzero_missed")
+
+
+@dataclass
+class ZerofirstParams:
+    mem_mib: int = 1024
+    reported_mib: int = 512
+    backed_mib: int = 256
+    work_mib: int = 192
+    variants: tuple[str, ...] = VARIANTS
+    iterations: int = 3
+    rounds: int = 2
+    pcp_high_fraction: int = 0
+    timeout_s: int = 900
+
+
+def guest_script(p: ZerofirstParams) -> str:
+    counters = "|".join(COUNTERS)
+    lines = [
+        "[ -w /sys/kernel/mm/transparent_hugepage/enabled ] && "
+        "echo never > /sys/kernel/mm/transparent_hugepage/enabled || true",
+    ]
+    if p.pcp_high_fraction:
+        lines.append(f"echo {p.pcp_high_fraction} > /proc/sys/vm/percpu_pagelist_high_fraction")
+    for i in range(p.iterations):
+        lines += [
+            f"populate --mib {p.reported_mib} --mode 4k --fill 0x5a --tag reported",
+            # stock has no flush: its 2 s timer reports within the sleep
+            f"[ -w {FLUSH} ] && echo 1000000 > {FLUSH} || true",
+            "sleep 4",
+            f"populate --mib {p.backed_mib} --mode 4k --fill 0x5a --tag backed",
+            f"grep -E '^({counters}) ' /proc/vmstat > /tmp/v0 || true",
+            f"echo {EVENT} work {i}",
+            "sleep 0.3",
+            f"populate --mib {p.work_mib} --mode 4k --touch --verify --tag work",
+            f"echo {EVENT} done {i}",
+            "sleep 0.5",
+            f"grep -E '^({counters}) ' /proc/vmstat > /tmp/v1 || true",
+            "awk 'NR==FNR{a[$1]=$2;next}{s=s sprintf(\",\\\"%s\\\":%d\",$1,$2-a[$1])}"
+            "END{print \"{\\\"prog\\\":\\\"vmstat\\\"\" s \"}\"}' /tmp/v0 /tmp/v1",
+            "sleep 3",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Sample:
+    growth_mib: float
+    cpu_ms: float
+    touch_ms: float
+    skipped: int
+    missed: int
+
+
+class Zerofirst(Scenario):
+    name = "zerofirst"
+    Params = ZerofirstParams
+
+    def _guest(self, ctx: RunContext, p: ZerofirstParams, variant: str,
+               rnd: int) -> list[Sample]:
+        if variant not in VARIANTS:
+            raise LabError(f"zerofirst: unknown variant {variant!r}; choose from "
+                           f"{', '.join(VARIANTS)}")
+        patches = (POLICY_PATCH,) if variant == "tail" else ()
+        cfg = GuestConfig(kernel=ctx.kernel(patched=variant != "vanilla",
+                                            extra_patches=patches),
+                          initrd=ctx.initrd(f"zerofirst-{ctx.platform}", guest_script(p)),
+                          mem_mib=p.mem_mib, cmdline=["init_on_alloc=1"])
+        tag = f"zerofirst-{ctx.platform}-{variant}-{rnd}"
+        host = ctx.balloon_host(cfg, tag)
+        # the same zeroing host for every variant: only the guest differs
+        runner = ctx.balloon_runner(cfg, zeroing=True)
+        guest = runner.guest(tag, cfg, ctx.log(tag))
+        if ctx.shell.dry_run:
+            guest.start()
+            return []
+        marks: list[tuple[float, float]] = []
+        with host, guest, Sampler(lambda: runner.footprint_bytes(guest)) as sampler:
+            idx = 0
+            for i in range(p.iterations):
+                idx, start, _ = guest.wait_for(rf"^{EVENT} work {i}$", p.timeout_s, idx)
+                idx, end, _ = guest.wait_for(rf"^{EVENT} done {i}$", p.timeout_s, idx)
+                marks.append((start.t + 0.25, end.t + 0.45))
+            rc = guest.wait_exit(p.timeout_s)
+        if rc != 0:
+            raise guest.error(f"zerofirst: guest script failed (exit {rc})")
+        work = [r for r in guest.json_records("populate") if r["tag"] == "work"]
+        bad = [r for r in work if r["nonzero_bytes"]]
+        if bad:
+            raise guest.error(f"zerofirst: {bad[0]['nonzero_bytes']} non-zero bytes: "
+                              "a page called zero was not")
+        counts = guest.json_records("vmstat")
+        out = []
+        for (t0, t1), r, c in zip(marks, work, counts):
+            growth = value_at(sampler.samples, t1) - value_at(sampler.samples, t0)
+            out.append(Sample(growth / MIB, r["populate_cpu_ns"] / 1e6,
+                              (r["populate_ns"] + r.get("touch_ns", 0)) / 1e6,
+                              c.get("pgzero_skipped", 0), c.get("pgzero_missed", 0)))
+        return out
+
+    def run(self, ctx: RunContext, params: ZerofirstParams) -> Outcome:
+        runs: dict[str, list[Sample]] = {v: [] for v in params.variants}
+        for rnd in range(params.rounds):
+            for variant in abba(params.variants, rnd):
+                runs[variant] += self._guest(ctx, params, variant, rnd)
+        if ctx.shell.dry_run:
+            return Outcome(self.name, {}, "(dry run)")
+        data: dict[str, Any] = {"platform": ctx.platform, "params": asdict(params),
+                                "variants": {}}
+        rows = []
+        for v in params.variants:
+            s = runs[v]
+            growth = summarise([x.growth_mib for x in s])
+            cpu = summarise([x.cpu_ms for x in s])
+            touch = summarise([x.touch_ms for x in s])
+            skipped, missed = sum(x.skipped for x in s), sum(x.missed for x in s)
+            hit = skipped / (skipped + missed) if skipped + missed else None
+            data["variants"][v] = {
+                "host_growth_mib": growth.as_dict(), "populate_cpu_ms": cpu.as_dict(),
+                "populate_touch_wall_ms": touch.as_dict(), "pgzero_skipped_pages": skipped,
+                "pgzero_missed_pages": missed, "skipped_share": hit,
+                "raw_host_growth_mib": [x.growth_mib for x in s]}
+            rows.append([v, f"{growth.median:.0f} [{growth.p25:.0f}-{growth.p75:.0f}]",
+                         f"{cpu.median:.1f} [{cpu.p25:.1f}-{cpu.p75:.1f}]",
+                         f"{touch.median:.1f} [{touch.p25:.1f}-{touch.p75:.1f}]",
+                         "" if hit is None else f"{hit * 100:.0f}%", growth.n])
+        for a, b in (("tail", "series"), ("vanilla", "series")):
+            if a in runs and b in runs and runs[a] and runs[b]:
+                r = median_ratio([x.touch_ms for x in runs[a]], [x.touch_ms for x in runs[b]])
+                data[f"touch_ratio_{b}_over_{a}"] = r.as_dict()
+                rows.append([f"{b}/{a} +touch", "", "", fmt_ratio(r), "", ""])
+        text = (f"zerofirst ({ctx.platform}, init_on_alloc=1: {params.work_mib} MiB populated "
+                f"with {params.backed_mib} MiB of backed and ~{params.reported_mib} MiB of "
+                "reported free memory; host growth MiB, populate CPU ms and populate + "
+                "touch wall ms: median [p25-p75]; skipped = zeroing the guest skipped)\n"
+                + table(["variant", "host growth MiB", "populate cpu ms", "+touch wall ms",
+                         "skipped", "n"], rows))
+        spread = statistics.pstdev([x.growth_mib for s in runs.values() for x in s] or [0.0])
+        data["host_growth_pstdev_mib"] = spread
+        ctx.save(f"zerofirst-{ctx.platform}", data)
+        return Outcome(self.name, data, text)

@@ -1,0 +1,31 @@
+"""freepage demo: the plan and the side-by-side table (no boot)."""
+
+from freepage_lab import cli, demo
+
+
+def test_side_by_side_pairs_medians_and_ratios():
+    stock = {"modes": {"thp": {"t90_s": {"median": 4.0, "n": 5}}, "4k": {"t90_s": {"median": 0}}}}
+    free = {"modes": {"thp": {"t90_s": {"median": 1.0, "n": 5}}, "4k": {"t90_s": {"median": 2}}}}
+    text = demo.side_by_side(stock, free)
+    assert "modes.thp.t90_s" in text and "0.25x" in text
+    assert "n/a" in text  # a zero stock median has no ratio
+    assert demo.side_by_side({"a": 1}, {"b": 2}) == "(no common medians)"
+
+
+def test_every_step_names_a_scenario_and_valid_parameters():
+    for step in demo.STEPS:
+        scenario = cli.scenarios.get(step.scenario)
+        scenario.params(step.params)
+        scenario.params(step.quick)
+        assert step.kind in ("ab", "own")
+
+
+def test_quick_dry_run_shows_both_sides(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+    assert cli.main(["--dry-run", "demo", "--quick", "--accel", "tcg"]) == 0
+    err = capsys.readouterr().err
+    qemus = [ln for ln in err.splitlines() if "-machine pc,accel=tcg" in ln]
+    # stock: Debian's QEMU and the stock kernel; freepage: patched QEMU and the series
+    assert any(q.startswith("$ qemu-system-x86_64 ") and "vanilla" in q for q in qemus)
+    assert any("device-init-reported=on" in q and "patched" in q for q in qemus)
+    assert not (tmp_path / "runs").exists()

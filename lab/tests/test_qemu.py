@@ -1,0 +1,82 @@
+"""The QEMU patch queue and build: keys, placeholders, checkpatch parsing, dry runs."""
+
+from pathlib import Path
+
+from freepage_lab import qemu
+from freepage_lab.kernel import Series
+from freepage_lab.shell import Shell
+
+
+def series_of(directory: Path, **patches: str) -> Series:
+    directory.mkdir()
+    for name, text in patches.items():
+        (directory / name).write_text(text)
+    return Series(directory, tuple(patches))
+
+
+def test_build_key_follows_series_and_configure_flags(tmp_path):
+    a = series_of(tmp_path / "a", **{"0001-a.patch": "one"})
+    b = series_of(tmp_path / "b", **{"0001-a.patch": "two"})
+    empty = Series(tmp_path, ())
+    assert qemu.build_key(empty) != qemu.build_key(a)
+    assert qemu.build_key(a) != qemu.build_key(b)
+    assert qemu.build_key(empty) != qemu.build_key(empty, (*qemu.CONFIGURE_FLAGS, "--enable-debug"))
+    assert qemu.build_key(empty) == qemu.build_key(Series(tmp_path, ()))
+
+
+def test_configure_builds_only_the_x86_64_system_emulator():
+    argv = qemu.configure_argv(Path("/src"))
+    assert argv[0] == "/src/configure"
+    assert "--target-list=x86_64-softmmu" in argv
+    assert "--python=/usr/bin/python3" in argv
+
+
+def test_edk2_placeholders_are_the_blobs_meson_lists(tmp_path):
+    (tmp_path / "pc-bios").mkdir()
+    (tmp_path / "pc-bios" / "meson.build").write_text(
+        "fds = [\n    'edk2-x86_64-code.fd',\n    'edk2-i386-vars.fd',\n  ]\n")
+    names = [p.name for p in qemu.edk2_placeholders(tmp_path)]
+    assert names == ["edk2-x86_64-code.fd.bz2", "edk2-i386-vars.fd.bz2"]
+
+
+def test_empty_bzip2_placeholder_decompresses_to_nothing():
+    import bz2
+
+    assert bz2.decompress(qemu.EMPTY_BZIP2) == b""
+
+
+def test_checkpatch_problems_are_errors_and_warnings():
+    out = ("0001.patch:12: WARNING: line over 80 characters\n"
+           "0001.patch:20: ERROR: code indent should never use tabs\n"
+           "total: 1 errors, 1 warnings, 30 lines checked\n")
+    assert len(qemu.checkpatch_problems(out)) == 2
+    assert qemu.checkpatch_problems("") == []
+
+
+def test_dry_run_build_prints_configure_and_ninja(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path))
+    built = qemu.build(Shell(dry_run=True), Series(tmp_path, ()))
+    err = capsys.readouterr().err
+    assert "configure --target-list=x86_64-softmmu" in err
+    assert "ninja -C" in err and "qemu-system-x86_64" in err
+    assert built.binary.name == "qemu-system-x86_64"
+    assert built.out_dir.parent == qemu.tree_path(Series(tmp_path, ()))
+    assert not (tmp_path / "qemu" / "build").exists()
+
+
+def test_series_lists_the_queue_in_order():
+    series = qemu.load_series()
+    assert series.names, "qemu/patches/series is empty"
+    assert all(n[:4].isdigit() for n in series.names)
+    assert "0000-cover-letter.patch" not in series.names
+
+
+def test_warnings_in_files_the_series_touches_are_found(tmp_path):
+    patch = tmp_path / "0001-x.patch"
+    patch.write_text("--- a/hw/virtio/virtio-balloon.c\n+++ b/hw/virtio/virtio-balloon.c\n@@\n")
+    files = qemu.patched_files(Series(tmp_path, ("0001-x.patch",)))
+    assert files == {"hw/virtio/virtio-balloon.c"}
+    log = ("../hw/virtio/virtio-balloon.c:108:13: warning: implicit declaration of function\n"
+           "../hw/usb/dev-hid.c:10:1: warning: something upstream\n"
+           "../hw/virtio/virtio-balloon.c:108:13: note: a note\n")
+    assert qemu.series_warnings(log, files) == [log.splitlines()[0]]

@@ -1,0 +1,324 @@
+"""Zero means zero across a live migration (issue 10, hole 1).
+
+A guest on the patched QEMU with free page reporting and bit 6
+(VIRTIO_BALLOON_F_DEVICE_INIT_REPORTED, proposed, not allocated) holds
+~600 MiB of non-zero data in a tmpfs.  The host migrates it at 30 MiB/s to a
+second QEMU; once the first pass has sent the data, the guest frees it and
+forces a reporting pass, so the source discards pages the destination
+already holds with the old contents.  After the switchover, verified
+populates on the destination (4k and THP) must read zeroes only: the pages
+the guest now believes zero must have been sent again as zeroes.
+
+The destination starts paused (-S), so the host can compare its RAM with
+the source's before it runs: the two must be identical, page for page (a
+discarded page the destination did not get again differs).  Then the guest
+runs and must find zeroes.  The guest's own checks keep the test from
+passing vacuously: bit 6 must be negotiated and reporting must have marked
+pages zero.
+
+The same for the balloon (bit 7, VIRTIO_BALLOON_F_DEVICE_INIT_ON_INFLATE,
+proposed, not allocated): the host inflates the balloon over the freed data
+during the migration and deflates it on the destination; the deflated
+pages, which the guest frees as zero, must read zero there.
+
+Baselines, expected to fail (FREEPAGE_MIGRATION_BASELINE=...):
+* `stock`: Debian's QEMU (no qemu/patches), which discards reported pages
+  without marking them dirty (reporting test; the guest does not get bit 6
+  there, the host-side comparison fails all the same);
+* `no-dirty`: the patched QEMU with qemu/bench/no-dirty-discards.patch,
+  i.e. without "virtio-balloon: mark discarded memory dirty" (balloon test;
+  the reporting test passes there: a used length > 0 marks the reported
+  buffers dirty on its own).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from freepage_lab import kernel, knobs, qemu
+from freepage_lab.context import RunContext
+from freepage_lab.guest import Guest
+from freepage_lab.initramfs import BOOTED, EVENT
+from freepage_lab.runners import STOCK_QEMU, GuestConfig, QemuRunner, Qmp
+from freepage_lab.scenarios.migrate import free_port
+from freepage_lab.shell import Shell
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not kernel.Series.load().names, reason="kernel series is empty"),
+]
+
+MIB = 1 << 20
+BALLOON_BIT_DEVICE_INIT_REPORTED = 6
+BALLOON_BIT_DEVICE_INIT_ON_INFLATE = 7
+BASELINE = os.environ.get("FREEPAGE_MIGRATION_BASELINE", "")
+DMESG = "FREEPAGE-DMESG"
+# The debug kernel (CONFIG_DEBUG_PAGE_ZEROED) reads every page it hands out
+# as known zero and warns once about a stale one (then clears it).  Its
+# KUnit suite would use that one warning up at boot: no KUnit here.
+CMDLINE = ["kunit.enable=0"]
+
+
+@dataclass
+class Plan:
+    mem_mib: int = 1024
+    fill_mib: int = 600
+    verify_mib: int = 800
+    bandwidth_mib_s: int = 30
+    # keeps the migration from converging until the guest has freed its data
+    churn_mib: int = 8
+
+
+def vmstat(name: str) -> str:
+    return f"awk '/^{name} /{{print $2}}' /proc/vmstat"
+
+
+def guest_script(p: Plan, report: bool = True) -> str:
+    """Fill, wait for the host, free (+ report), wait for the host, verify."""
+    balloon = ("for d in /sys/bus/virtio/devices/*; do "
+               "[ \"$(cat $d/device)\" = 0x0005 ] && echo ${d##*/}; done | head -1")
+    marked = vmstat("pgzero_marked_reported")
+    features = knobs.VIRTIO_FEATURES.format(dev="$dev")
+    free = [
+        "rm /tmp/fill",
+        f"m0=$({marked})",
+        f"echo 1000000 > {knobs.FLUSH}",
+        f"m1=$({marked})",
+        f"echo \"{EVENT} freed marked_reported=$((m1 - m0))\"",
+    ] if report else ["rm /tmp/fill", f"echo \"{EVENT} freed\""]
+    return "\n".join([
+        "echo 1000 > /proc/sys/vm/percpu_pagelist_high_fraction",
+        "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled",
+        f"mount -o remount,size={p.fill_mib + 64}m /tmp",
+        f"dev=$({balloon})",
+        f"echo \"{EVENT} features $(cat {features})\"",
+        # tr is slow under TCG: make 8 MiB with it, and the rest with cat
+        "head -c 8388608 /dev/zero | tr '\\000' '\\245' > /tmp/chunk",
+        f"cat $(yes /tmp/chunk | head -n {p.fill_mib // 8}) > /tmp/fill",
+        "rm /tmp/chunk",
+        f"dirty --mib {p.churn_mib} --pace-ms 100 > /dev/null &",
+        "churn=$!",
+        f"echo \"{EVENT} filled\"",
+        "read go",
+        *free,
+        "read verify",
+        "kill $churn; wait $churn || true",
+        f"echo \"{EVENT} verify marked_freed=$({vmstat('pgzero_marked_freed')})\"",
+        # exit 1 = non-zero bytes: the host reads the count from the JSON line
+        f"populate --mib {p.verify_mib} --mode 4k --verify --tag dst-4k || [ $? -eq 1 ]",
+        f"populate --mib {p.verify_mib} --mode thp --verify --tag dst-thp || [ $? -eq 1 ]",
+        f"echo \"{EVENT} vmstat $(grep -E '^pgzero_' /proc/vmstat | tr ' \\n' '= ')\"",
+        # warnings print below the console's loglevel: show them from the log
+        f"dmesg | grep -E 'WARNING:|BUG:|page_zeroed:' | sed 's/^/{DMESG} /' || true",
+    ]) + "\n"
+
+
+def wait_migration(qmp: Qmp, done: object, timeout: float) -> dict:
+    """Poll query-migrate until `done(info)` holds; fail on failed/cancelled."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = qmp.execute("query-migrate")
+        assert isinstance(info, dict)
+        assert info.get("status") not in ("failed", "cancelled"), info
+        if done(info):  # type: ignore[operator]
+            return info
+        assert time.monotonic() < deadline, f"migration stuck: {info}"
+        time.sleep(0.2)
+
+
+def kernel_warnings(g: Guest) -> list[str]:
+    """Kernel warnings: from the console, and the guest's own dmesg dump."""
+    booted = next((i for i, ln in enumerate(g.lines) if ln.text.startswith(BOOTED)), 0)
+    return [ln.text for ln in g.lines[booted:]
+            if ln.text.startswith(DMESG) or re.search(r"WARNING:|BUG:", ln.text)]
+
+
+def differing_pages(a: Path, b: Path, limit: int = 5) -> tuple[int, list[int]]:
+    """4 KiB pages in which two guest memory dumps differ (count, first GPAs)."""
+    count, first = 0, []
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        ma = mmap.mmap(fa.fileno(), 0, access=mmap.ACCESS_READ)
+        mb = mmap.mmap(fb.fileno(), 0, access=mmap.ACCESS_READ)
+        assert len(ma) == len(mb), (len(ma), len(mb))
+        chunk = 1 << 24
+        for off in range(0, len(ma), chunk):
+            if ma[off:off + chunk] == mb[off:off + chunk]:
+                continue
+            for page in range(off, min(off + chunk, len(ma)), 4096):
+                if ma[page:page + 4096] != mb[page:page + 4096]:
+                    count += 1
+                    if len(first) < limit:
+                        first.append(page)
+        ma.close()
+        mb.close()
+    return count, first
+
+
+def dump(qmp: Qmp, mib: int, path: Path) -> Path:
+    qmp.execute("pmemsave", val=0, size=mib * MIB, filename=str(path))
+    return path
+
+
+def qemu_binary(shell: Shell) -> Path:
+    if BASELINE == "stock":
+        return STOCK_QEMU
+    if BASELINE == "no-dirty":
+        return qemu.build(shell, extra_patches=("no-dirty-discards.patch",)).binary
+    return qemu.build(shell).binary
+
+
+def balloon_actual_mib(qmp: Qmp) -> int:
+    info = qmp.execute("query-balloon")
+    assert isinstance(info, dict)
+    return int(info["actual"]) // MIB
+
+
+def wait_balloon(qmp: Qmp, target_mib: int, timeout: float) -> None:
+    """Ask for a guest size and wait until the balloon driver got there."""
+    qmp.execute("balloon", value=target_mib * MIB)
+    deadline = time.monotonic() + timeout
+    while balloon_actual_mib(qmp) != target_mib:
+        assert time.monotonic() < deadline, \
+            f"balloon at {balloon_actual_mib(qmp)} MiB, not {target_mib}, after {timeout:.0f} s"
+        time.sleep(0.2)
+
+
+@dataclass
+class Outcome:
+    features: str
+    events: dict[str, dict[str, int]]
+    populates: dict[str, dict]
+    warnings: list[str]
+    rc: int
+    migration: dict
+    console_tail: str
+    differing_pages: int
+
+    def bit(self, n: int) -> bool:
+        return len(self.features) > n and self.features[n] == "1"
+
+
+def migrate_while_freeing(tmp_path: Path, plan: Plan, report: bool,
+                          inflate_mib: int = 0, **device: bool) -> Outcome:
+    """Boot, fill, migrate; free (and inflate) mid-migration; verify on the destination."""
+    shell = Shell()
+    ctx = RunContext(shell=shell, run_dir=tmp_path, platform="qemu", accel="tcg", patched=True)
+    runner = QemuRunner(shell, "tcg", qemu_binary(shell))
+    cmdline = CMDLINE
+    initrd = ctx.initrd("migrate-zero", guest_script(plan, report))
+    port = free_port()
+    common = dict(kernel=ctx.kernel(), initrd=initrd, mem_mib=plan.mem_mib, cmdline=cmdline,
+                  free_page_reporting=report, **device)
+    src_cfg = GuestConfig(**common, qmp_socket=tmp_path / "src.qmp")  # type: ignore[arg-type]
+    # -S: the destination stays paused after the migration, for the compare
+    dst_cfg = GuestConfig(**common, qmp_socket=tmp_path / "dst.qmp",  # type: ignore[arg-type]
+                          incoming=f"tcp:127.0.0.1:{port}", extra_args=["-S"])
+    src = runner.guest("src", src_cfg, ctx.log("src"), interactive=True)
+    dst = runner.guest("dst", dst_cfg, ctx.log("dst"), interactive=True)
+    t0 = time.monotonic()
+    events: dict[str, dict[str, int]] = {}
+
+    def event(g: Guest, name: str, timeout: float) -> None:
+        _, line, _ = g.wait_for(rf"^{EVENT} {name}\b", timeout)
+        events[name] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line.text)}
+        print(f"[{time.monotonic() - t0:5.0f} s] {line.text}", flush=True)
+
+    with src, dst:
+        _, _, m = src.wait_for(rf"^{EVENT} features ([01]+)", 120)
+        features = m.group(1)
+        event(src, "filled", 300)
+        qs, qd = Qmp(tmp_path / "src.qmp"), Qmp(tmp_path / "dst.qmp")
+        try:
+            qs.execute("migrate-set-parameters", **{
+                "max-bandwidth": plan.bandwidth_mib_s * MIB, "downtime-limit": 1})
+            qs.execute("migrate", uri=f"tcp:127.0.0.1:{port}")
+            # the first pass has sent the data when the second sync begins
+            first = wait_migration(qs, lambda i: i.get("ram", {}).get("dirty-sync-count", 0) >= 2,
+                                   240)
+            print(f"[{time.monotonic() - t0:5.0f} s] first pass sent "
+                  f"{first['ram']['transferred'] / MIB:.0f} MiB", flush=True)
+            src.send("go")
+            event(src, "freed", 120)
+            if inflate_mib:
+                wait_balloon(qs, plan.mem_mib - inflate_mib, 180)
+                print(f"[{time.monotonic() - t0:5.0f} s] inflated {inflate_mib} MiB", flush=True)
+            qs.execute("migrate-set-parameters", **{"downtime-limit": 2000})
+            info = wait_migration(qs, lambda i: i.get("status") == "completed", 240)
+            wait_migration(qd, lambda i: i.get("status") == "completed", 60)
+            # both stopped: the destination must hold what the source holds
+            differ, where = differing_pages(dump(qs, plan.mem_mib, tmp_path / "src.mem"),
+                                            dump(qd, plan.mem_mib, tmp_path / "dst.mem"))
+            for name in ("src.mem", "dst.mem"):
+                (tmp_path / name).unlink()
+            print(f"[{time.monotonic() - t0:5.0f} s] {differ} pages differ between source and "
+                  f"destination (first at {', '.join(hex(g) for g in where) or '-'})", flush=True)
+            qd.execute("cont")
+            deadline = time.monotonic() + 30
+            while (qd.execute("query-status") or {}).get("status") != "running":  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, "destination did not resume"
+                time.sleep(0.1)
+            ram = info.get("ram", {})
+            print(f"[{time.monotonic() - t0:5.0f} s] migrated: {info.get('total-time')} ms, "
+                  f"{ram.get('transferred', 0) / MIB:.0f} MiB, {ram.get('duplicate')} zero "
+                  f"pages, {ram.get('normal')} normal pages", flush=True)
+            if inflate_mib:
+                wait_balloon(qd, plan.mem_mib, 180)
+                print(f"[{time.monotonic() - t0:5.0f} s] deflated on the destination", flush=True)
+        finally:
+            qs.close()
+            qd.close()
+        dst.send("verify")
+        event(dst, "verify", 60)
+        event(dst, "vmstat", 300)
+        rc = dst.wait_exit(60)
+        populates = {r["tag"]: r for r in dst.json_records("populate")}
+        warnings = kernel_warnings(src) + kernel_warnings(dst)
+    for tag, r in populates.items():
+        print(f"{tag}: {r['nonzero_bytes']} non-zero bytes in {r['mib']} MiB")
+    print(f"bits negotiated: 6={features[6:7]} 7={features[7:8]}; warnings: {warnings[:3]}; "
+          f"elapsed {time.monotonic() - t0:.0f} s")
+    return Outcome(features, events, populates, warnings, rc, info, dst.tail(30), differ)
+
+
+def assert_destination_reads_zero(out: Outcome) -> None:
+    assert out.differing_pages == 0, \
+        f"the destination's RAM differs from the source's in {out.differing_pages} pages"
+    assert out.rc == 0, out.console_tail
+    assert set(out.populates) == {"dst-4k", "dst-thp"}, out.populates
+    # a stale page the debug kernel caught (and cleared) is counted, and a
+    # warning where the kernel has CONFIG_BUG
+    assert out.events["vmstat"].get("pgzero_verify_failed", 0) == 0, out.events["vmstat"]
+    assert not out.warnings, out.warnings
+    for tag in ("dst-4k", "dst-thp"):
+        assert out.populates[tag]["nonzero_bytes"] == 0, out.populates[tag]
+
+
+def test_reported_pages_read_zero_on_the_destination(tmp_path: Path) -> None:
+    out = migrate_while_freeing(tmp_path, Plan(), report=True,
+                                device_init_reported=BASELINE != "stock")
+    assert_destination_reads_zero(out)
+    if BASELINE != "stock":  # stock QEMU does not offer the bit
+        assert out.bit(BALLOON_BIT_DEVICE_INIT_REPORTED), \
+            f"bit 6 not negotiated ({out.features}): nothing is known zero, the test proves nothing"
+    if BASELINE != "stock":
+        assert out.events["freed"]["marked_reported"] > 0, \
+            "reporting marked no page zero: the test would prove nothing"
+
+
+@pytest.mark.skipif(BASELINE == "stock", reason="stock QEMU does not offer bit 7")
+def test_deflated_pages_read_zero_on_the_destination(tmp_path: Path) -> None:
+    plan = Plan()
+    out = migrate_while_freeing(tmp_path, plan, report=False, inflate_mib=plan.fill_mib - 100,
+                                device_init_on_inflate=True)
+    assert_destination_reads_zero(out)
+    assert out.bit(BALLOON_BIT_DEVICE_INIT_ON_INFLATE), \
+        f"bit 7 not negotiated ({out.features}): nothing is known zero, the test proves nothing"
+    assert out.events["verify"]["marked_freed"] > 0, \
+        "no deflated page was freed as zero: the test would prove nothing"

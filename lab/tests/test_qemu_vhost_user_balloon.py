@@ -1,0 +1,82 @@
+"""vhost-user-balloon behind QEMU: the Rust daemon serves an x86 guest.
+
+The patched QEMU runs the daemon through vhost-user-device-pci (user
+creatable with qemu/patches); guest RAM is a shared memfd the daemon maps.
+The guest writes 256 MiB to a tmpfs file, deletes it and forces a reporting
+pass; the daemon discards what the guest reported, which the host sees as
+blocks leaving the memfd.  At least 90% of the freed 256 MiB must go.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from freepage_lab import kernel, knobs, qemu
+from freepage_lab.backend import BalloonBackend
+from freepage_lab.context import RunContext
+from freepage_lab.initramfs import EVENT
+from freepage_lab.runners import GuestConfig, QemuRunner, uml_memory_file
+from freepage_lab.shell import Shell
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not kernel.Series.load().names, reason="kernel series is empty"),
+]
+
+MIB = 1 << 20
+FREED_MIB = 256
+
+
+def guest_script() -> str:
+    return "\n".join([
+        "echo 1000 > /proc/sys/vm/percpu_pagelist_high_fraction",
+        f"mount -o remount,size={FREED_MIB + 64}m /tmp",
+        "head -c 8388608 /dev/zero | tr '\\000' '\\245' > /tmp/chunk",
+        f"cat $(yes /tmp/chunk | head -n {FREED_MIB // 8}) > /tmp/fill",
+        "rm /tmp/chunk",
+        f"echo \"{EVENT} filled\"",
+        "read go",
+        "rm /tmp/fill",
+        f"echo 1000000 > {knobs.FLUSH}",
+        f"echo \"{EVENT} freed\"",
+        "read done",
+    ]) + "\n"
+
+
+def memfd_bytes(qemu_pid: int) -> int:
+    """Allocated blocks of the guest's RAM: the memfd QEMU holds (deleted file)."""
+    mem = uml_memory_file(qemu_pid)
+    assert mem is not None, f"QEMU {qemu_pid} holds no memfd"
+    return os.stat(mem).st_blocks * 512
+
+
+def test_vhost_user_balloon_reclaims_freed_memory(tmp_path: Path) -> None:
+    shell = Shell()
+    ctx = RunContext(shell=shell, run_dir=tmp_path, platform="qemu", accel="tcg", patched=True)
+    runner = QemuRunner(shell, "tcg", qemu.build(shell).binary)
+    backend = BalloonBackend(shell, tmp_path / "balloon.sock", ctx.log("backend"))
+    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("vub", guest_script()),
+                      mem_mib=512, vhost_user_balloon=backend.socket)
+    with backend, runner.guest("vub", cfg, ctx.log("vub"), interactive=True) as g:
+        g.wait_for(rf"^{EVENT} filled", 300)
+        filled = memfd_bytes(g.pid)
+        g.send("go")
+        g.wait_for(rf"^{EVENT} freed", 120)
+        deadline = time.monotonic() + 30
+        while True:
+            now = memfd_bytes(g.pid)
+            if filled - now >= 0.9 * FREED_MIB * MIB or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        counters = backend.request({"cmd": "get_counters"})
+        g.send("done")
+        assert g.wait_exit(60) == 0
+    reclaimed = (filled - now) / (FREED_MIB * MIB)
+    print(f"memfd: {filled / MIB:.0f} MiB after the fill, {now / MIB:.0f} MiB after the "
+          f"reporting pass: {reclaimed:.0%} of the freed {FREED_MIB} MiB reclaimed; "
+          f"daemon: {counters}")
+    assert reclaimed >= 0.9
