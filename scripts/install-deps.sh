@@ -13,12 +13,16 @@ apt_packages=(
 	# building QEMU 10.0 (qemu/): meson comes from bookworm-backports below
 	ninja-build pkg-config libglib2.0-dev libpixman-1-dev libfdt-dev zlib1g-dev
 	curl bzip2
+	# the arm64 platform: cross compiler and libc for the static KVM selftests
+	gcc-aarch64-linux-gnu libc6-dev-arm64-cross
 )
 # QEMU 10.0 is the x86 platform: Debian's stock build is the baseline (7.2
 # crashes the destination of a migrating guest), the meson it needs to build
 # from source is newer than bookworm's; python3-pycotap is a QEMU build dep
-backports_packages=(qemu-system-x86 meson python3-pycotap)
-backports_min=(10.0 1.5 1.3)
+# qemu-system-arm (qemu-system-aarch64, the arm64 platform) shares
+# qemu-system-common with qemu-system-x86, so it comes from backports too
+backports_packages=(qemu-system-x86 meson python3-pycotap qemu-system-arm)
+backports_min=(10.0 1.5 1.3 10.0)
 
 apt_lock=(-o DPkg::Lock::Timeout=900)
 
@@ -26,6 +30,19 @@ installed_version() {
 	dpkg-query -W -f='${Status} ${Version}' "$1" 2>/dev/null |
 		sed -n 's/^install ok installed //p'
 }
+
+# busybox-static:arm64 for the arm64 initramfs is fetched by the lab with
+# `apt-get download` (the package is not Multi-Arch: it cannot be installed
+# beside the host's); apt needs the foreign architecture to find it.
+if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+	if [ "$(id -u)" != 0 ]; then
+		echo "install-deps: run as root to add the arm64 dpkg architecture" >&2
+		exit 1
+	fi
+	echo "install-deps: dpkg --add-architecture arm64"
+	dpkg --add-architecture arm64
+	apt-get "${apt_lock[@]}" update -qq || { echo "install-deps: apt-get update failed" >&2; exit 1; }
+fi
 
 missing=()
 for p in "${apt_packages[@]}"; do

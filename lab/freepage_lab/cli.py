@@ -12,7 +12,7 @@ from . import demo, insntrace, kernel, paths, qemu, scenarios
 from . import guest as guest_mod
 from .context import RunContext
 from .demo import medians
-from .runners import GuestConfig
+from .runners import PLATFORMS, GuestConfig
 from .scenarios.zerobench import BENCH_PATCH
 from .shell import LabError, Shell, StageResult
 
@@ -37,7 +37,8 @@ def cmd_build(args: argparse.Namespace, shell: Shell) -> int:
     arches = kernel.ARCHES if args.arch == "all" else (args.arch,)
     results = []
     for arch in arches:
-        spec = kernel.BuildSpec(arch, args.variant, not args.vanilla, tuple(args.fragment))
+        spec = kernel.BuildSpec(arch, args.variant, not args.vanilla, tuple(args.fragment),
+                                tuple(args.patch))
         res, _ = kernel.build_stage(shell, spec)
         results.append(res)
     return report(results)
@@ -46,16 +47,19 @@ def cmd_build(args: argparse.Namespace, shell: Shell) -> int:
 def cmd_series(args: argparse.Namespace, shell: Shell) -> int:
     if args.qemu:
         return cmd_qemu(args, shell)
+    queue = kernel.QUEUES[args.queue or "never-zero-twice"]
     tree = Path(args.dir) if args.dir else paths.KERNEL_DIR / "tree"
     if args.action == "tree":
-        kernel.materialise(shell, kernel.Series.load(), tree)
+        kernel.materialise(shell, kernel.Series.load(queue.patch_dir), tree)
         print(f"work tree ready: {tree} (base tag freepage-base)")
         return 0
     if args.action == "export":
-        names = kernel.export(shell, tree)
-        print(f"exported {len(names)} patches to {paths.PATCH_DIR}")
+        names = kernel.export(shell, tree, queue.patch_dir)
+        print(f"exported {len(names)} patches to {queue.patch_dir}")
         return 0
-    return report([kernel.check(shell, kernel.Series.load())])
+    # each series applies to pristine 6.12 on its own
+    queues = [queue] if args.queue else list(kernel.QUEUES.values())
+    return report([kernel.check(shell, kernel.Series.load(q.patch_dir), q.name) for q in queues])
 
 
 def cmd_qemu(args: argparse.Namespace, shell: Shell) -> int:
@@ -174,7 +178,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def platform_opts(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--platform", choices=("uml", "qemu"), default="qemu")
+        sp.add_argument("--platform", choices=PLATFORMS, default="qemu",
+                        help="arm64: qemu-system-aarch64 with EL2, the guest runs KVM")
         sp.add_argument("--accel", choices=("auto", "tcg", "kvm"), default="auto",
                         help="QEMU accelerator; auto uses KVM only if it is hardware KVM")
         sp.add_argument("--vanilla", action="store_true", help="stock kernel, series not applied")
@@ -191,6 +196,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--vanilla", action="store_true", help="do not apply kernel/patches")
     b.add_argument("--fragment", action="append", default=[],
                    help="extra config fragment from kernel/configs (repeatable)")
+    b.add_argument("--patch", action="append", default=[],
+                   help="test-only patch from the series' bench/ directory, applied after "
+                   "the series (repeatable), e.g. split-walk-stats.patch for arm64")
     b.set_defaults(func=cmd_build)
 
     s = sub.add_parser("series", help="patch queue: work tree, export, check")
@@ -199,6 +207,8 @@ def parser() -> argparse.ArgumentParser:
                    help="git work tree (tree: created; export: read); "
                    "default kernel/tree (qemu/tree with --qemu)")
     s.add_argument("--qemu", action="store_true", help="the QEMU queue (qemu/) instead")
+    s.add_argument("--queue", choices=sorted(kernel.QUEUES),
+                   help="which kernel series (default: never-zero-twice; check: every series)")
     s.set_defaults(func=cmd_series)
 
     q = sub.add_parser("qemu", help="QEMU patch queue (qemu/): build, work tree, export, check")

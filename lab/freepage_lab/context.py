@@ -10,7 +10,7 @@ from pathlib import Path
 
 from . import initramfs, kernel, paths
 from . import qemu as qemu_mod
-from .runners import STOCK_QEMU, GuestConfig, Runner, make_runner
+from .runners import PLATFORM_ARCH, STOCK_QEMU, GuestConfig, Runner, make_runner
 from .shell import Shell
 
 
@@ -27,7 +27,7 @@ class RunContext:
     patched_qemu: bool = False
     _kernels: dict[str, kernel.BuiltKernel] = field(default_factory=dict)
     _qemu: Path | None = None
-    _base_initrd: Path | None = None
+    _base_initrd: dict[str, Path] = field(default_factory=dict)
 
     @classmethod
     def create(cls, shell: Shell, label: str, **kw: object) -> RunContext:
@@ -39,7 +39,7 @@ class RunContext:
 
     @property
     def arch(self) -> str:
-        return "um" if self.platform == "uml" else "x86_64"
+        return PLATFORM_ARCH[self.platform]
 
     def runner(self, platform: str | None = None,
                patched_qemu: bool | None = None) -> Runner:
@@ -73,7 +73,7 @@ class RunContext:
 
     def kernel(self, platform: str | None = None, patched: bool | None = None,
                extra_patches: tuple[str, ...] = ()) -> Path:
-        arch = "um" if (platform or self.platform) == "uml" else "x86_64"
+        arch = PLATFORM_ARCH[platform or self.platform]
         want_patched = self.patched if patched is None else patched
         fragments = (self.extra_fragments if want_patched else
                      tuple(f for f in self.extra_fragments if f in kernel.STOCK_FRAGMENTS))
@@ -83,12 +83,12 @@ class RunContext:
         return self._kernels[spec.label].image
 
     def initrd(self, name: str, script: str) -> Path:
-        if self._base_initrd is None:
-            self._base_initrd = initramfs.base_image(self.shell)
+        if self.arch not in self._base_initrd:
+            self._base_initrd[self.arch] = initramfs.base_image(self.shell, self.arch)
         dest = self.run_dir / "initrd" / f"{name}.cpio"
         if self.shell.dry_run:
             return dest
-        return initramfs.with_script(self._base_initrd, script, dest)
+        return initramfs.with_script(self._base_initrd[self.arch], script, dest)
 
     def balloon_host(self, cfg: GuestConfig, name: str,
                      extra: tuple[str, ...] = ()) -> AbstractContextManager[object]:

@@ -50,6 +50,8 @@ STEPS = (
     Step("free page reporting on UML + vhost-user-balloon",
          "reclaim", "uml", "ab", {"modes": "4k", "mem_mib": "1024", "pcp_high_fraction": "1000"},
          {"modes": "4k", "mem_mib": "1024", "pcp_high_fraction": "1000", "repeat": "1"}),
+    Step("faster eager split on arm64 KVM: split work in guest instructions (stock / series)",
+         "split", "arm64", "own", {"mib": "256"}, {"mib": "64", "rounds": "1"}),
 )
 
 

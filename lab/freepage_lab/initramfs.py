@@ -17,6 +17,10 @@ from .shell import LabError, Shell
 
 BUSYBOX = Path("/bin/busybox")
 GUEST_PROGS = ("populate", "dirty")
+# arm64 guests: Debian's busybox-static:arm64, unpacked from the .deb (the
+# package is not Multi-Arch, so it cannot be installed beside the host's)
+ARM64_BUSYBOX_PACKAGE = "busybox-static:arm64"
+ARCH_CC = {"x86_64": "gcc", "um": "gcc", "arm64": "aarch64-linux-gnu-gcc"}
 
 # Markers the host parses from the console.
 BOOTED = "FREEPAGE-BOOTED"
@@ -80,13 +84,13 @@ def _file(name: str, data: bytes, mode: int = 0o755) -> Entry:
     return Entry(name, stat.S_IFREG | mode, data)
 
 
-def base_entries(progs_dir: Path) -> list[Entry]:
-    if not BUSYBOX.exists():
-        raise LabError(f"{BUSYBOX} missing: install busybox-static (`make deps`)")
+def base_entries(progs_dir: Path, busybox: Path = BUSYBOX) -> list[Entry]:
+    if not busybox.exists():
+        raise LabError(f"{busybox} missing: install busybox-static (`make deps`)")
     entries = [_dir(d) for d in ("bin", "dev", "proc", "sys", "tmp", "mnt", "etc")]
     entries.append(Entry("dev/console", stat.S_IFCHR | 0o600, rdev=(5, 1)))
     entries.append(Entry("dev/null", stat.S_IFCHR | 0o666, rdev=(1, 3)))
-    entries.append(_file("bin/busybox", BUSYBOX.read_bytes()))
+    entries.append(_file("bin/busybox", busybox.read_bytes()))
     entries.append(Entry("bin/sh", stat.S_IFLNK | 0o777, b"busybox"))
     entries.append(_file("init", INIT.encode()))
     for prog in GUEST_PROGS:
@@ -97,18 +101,61 @@ def base_entries(progs_dir: Path) -> list[Entry]:
     return entries
 
 
-def build_guest_programs(shell: Shell) -> Path:
-    out = paths.cache_dir() / "guest"
-    shell.run(["make", "-s", "-C", paths.GUEST_DIR, f"OUT={out}"], what="build guest programs")
+def build_guest_programs(shell: Shell, arch: str = "x86_64") -> Path:
+    out = paths.cache_dir() / ("guest" if arch != "arm64" else f"guest-{arch}")
+    argv: list[str | Path] = ["make", "-s", "-C", paths.GUEST_DIR, f"OUT={out}"]
+    if arch == "arm64":
+        argv.append(f"CC={ARCH_CC[arch]}")
+    shell.run(argv, what=f"build guest programs ({arch})")
     return out
 
 
-def base_image(shell: Shell) -> Path:
-    """The shared initramfs, rebuilt only when its content changes."""
-    progs = build_guest_programs(shell)
+def arm64_busybox(shell: Shell) -> Path:
+    """Debian's static arm64 busybox, downloaded and unpacked once."""
+    where = paths.cache_dir() / "arm64-busybox"
+    binary = where / "root" / "bin" / "busybox"
+    if binary.exists():
+        return binary
+    where.mkdir(parents=True, exist_ok=True)
+    shell.run(["apt-get", "download", ARM64_BUSYBOX_PACKAGE], cwd=where,
+              what=f"download {ARM64_BUSYBOX_PACKAGE} (needs `dpkg --add-architecture arm64`)")
+    debs = sorted(where.glob("busybox-static_*_arm64.deb"))
     if shell.dry_run:
-        return paths.cache_dir() / "initramfs" / "base-dry-run.cpio"
-    data = newc(base_entries(progs))
+        return binary
+    if not debs:
+        raise LabError(f"apt-get download {ARM64_BUSYBOX_PACKAGE} left no .deb in {where}")
+    shell.run(["dpkg-deb", "-x", debs[-1], where / "root"], what="unpack arm64 busybox")
+    return binary
+
+
+def kvm_selftest_entries(kvm_dir: Path) -> list[Entry]:
+    """The KVM selftests under /kvm (aarch64/page_fault_test -> /kvm/page_fault_test)."""
+    from .selftests import PROGRAMS
+
+    entries = [_dir("kvm")]
+    for prog in PROGRAMS:
+        path = kvm_dir / prog
+        if not path.exists():
+            raise LabError(f"KVM selftest {path} missing")
+        entries.append(_file(f"kvm/{Path(prog).name}", path.read_bytes()))
+    return entries
+
+
+def base_image(shell: Shell, arch: str = "x86_64") -> Path:
+    """The shared initramfs of an arch, rebuilt only when its content changes."""
+    progs = build_guest_programs(shell, arch)
+    extra: list[Entry] = []
+    busybox = BUSYBOX
+    if arch == "arm64":
+        from . import selftests
+
+        busybox = arm64_busybox(shell)
+        kvm_dir = selftests.build(shell)
+        if not shell.dry_run:
+            extra = kvm_selftest_entries(kvm_dir)
+    if shell.dry_run:
+        return paths.cache_dir() / "initramfs" / f"base-{arch}-dry-run.cpio"
+    data = newc(base_entries(progs, busybox) + extra)
     digest = hashlib.sha256(data).hexdigest()[:16]
     target = paths.cache_dir() / "initramfs" / f"base-{digest}.cpio"
     if not target.exists():

@@ -17,9 +17,35 @@ from pathlib import Path
 from . import paths
 from .shell import LabError, Shell, StageResult, timed
 
-ARCHES = ("um", "x86_64")
+ARCHES = ("um", "x86_64", "arm64")
+# arm64 is cross-built with this toolchain prefix (gcc-aarch64-linux-gnu)
+CROSS_COMPILE = {"arm64": "aarch64-linux-gnu-"}
 VARIANTS = ("release", "debug")
 PATCHED_FRAGMENTS = ("never-zero-twice.config",)
+
+
+@dataclass(frozen=True)
+class Queue:
+    """One patch series with its test-only patches and the fragments of its builds."""
+
+    name: str
+    patch_dir: Path
+    bench_dir: Path
+    fragments: tuple[str, ...]
+
+
+QUEUES = {
+    "never-zero-twice": Queue("never-zero-twice", paths.PATCH_DIR, paths.KERNEL_DIR / "bench",
+                              PATCHED_FRAGMENTS),
+    # independent of never-zero-twice: applies to pristine 6.12 on its own
+    "arm64-split": Queue("arm64-split", paths.KERNEL_DIR / "arm64-split" / "patches",
+                         paths.KERNEL_DIR / "arm64-split" / "bench", ("arm64-split.config",)),
+}
+
+
+def queue_for(arch: str) -> Queue:
+    """The series a patched kernel of this arch carries."""
+    return QUEUES["arm64-split" if arch == "arm64" else "never-zero-twice"]
 
 
 # --------------------------------------------------------------------------
@@ -217,9 +243,9 @@ def export(shell: Shell, tree: Path, directory: Path = paths.PATCH_DIR) -> list[
     return names
 
 
-def check(shell: Shell, series: Series) -> StageResult:
+def check(shell: Shell, series: Series, name: str = "never-zero-twice") -> StageResult:
     """The series applies to the pristine base and is checkpatch --strict clean."""
-    finish = timed("check")
+    finish = timed(f"check {name}")
     with tempfile.TemporaryDirectory(prefix="freepage-check-") as tmp:
         scratch = Path(tmp) / "tree"
         base = base_tree(shell)
@@ -272,7 +298,8 @@ class BuildSpec:
             names.append("debug.config")
         if self.patched:
             # the series' own options (with its debug checks and KUnit suites)
-            names += [f for f in PATCHED_FRAGMENTS if (paths.CONFIG_DIR / f).is_file()]
+            names += [f for f in queue_for(self.arch).fragments
+                      if (paths.CONFIG_DIR / f).is_file()]
         for name in self.extra_fragments:
             names.append(name)
             # a fragment's per-arch companion, e.g. bench-x86_64.config
@@ -339,8 +366,11 @@ def build_key(spec: BuildSpec, version: str, series: Series) -> str:
 def make_argv(src: Path, out: Path, arch: str, *targets: str, jobs: int | None = None,
               ccache: bool = False) -> list[str]:
     argv = ["make", "-C", str(src), f"O={out}", f"ARCH={arch}"]
+    cross = CROSS_COMPILE.get(arch, "")
+    if cross:
+        argv.append(f"CROSS_COMPILE={cross}")
     if ccache:
-        argv += ["CC=ccache gcc", "HOSTCC=ccache gcc"]
+        argv += [f"CC=ccache {cross}gcc", "HOSTCC=ccache gcc"]
     if jobs:
         argv.append(f"-j{jobs}")
     return argv + list(targets)
@@ -360,7 +390,11 @@ def ccache_env() -> dict[str, str] | None:
 
 
 def image_path(out: Path, arch: str) -> Path:
-    return out / "linux" if arch == "um" else out / "arch" / "x86" / "boot" / "bzImage"
+    if arch == "um":
+        return out / "linux"
+    if arch == "arm64":
+        return out / "arch" / "arm64" / "boot" / "Image"
+    return out / "arch" / "x86" / "boot" / "bzImage"
 
 
 def build(shell: Shell, spec: BuildSpec, series: Series | None = None) -> BuiltKernel:
@@ -368,13 +402,15 @@ def build(shell: Shell, spec: BuildSpec, series: Series | None = None) -> BuiltK
 
     A lock per build directory lets concurrent lab runs share one build.
     """
-    series = series if series is not None else (Series.load() if spec.patched else Series.empty())
+    queue = queue_for(spec.arch)
+    if series is None:
+        series = Series.load(queue.patch_dir) if spec.patched else Series.empty()
     if not spec.patched:
-        series = Series.empty()
+        series = Series(queue.patch_dir, ())
     if spec.extra_patches:
         for name in spec.extra_patches:
-            if not (paths.KERNEL_DIR / "bench" / name).is_file():
-                raise LabError(f"test-only patch kernel/bench/{name} does not exist")
+            if not (queue.bench_dir / name).is_file():
+                raise LabError(f"test-only patch {queue.bench_dir / name} does not exist")
         series = Series(series.directory,
                         series.names + tuple(f"../bench/{n}" for n in spec.extra_patches))
     version = base_version(shell)
@@ -408,7 +444,7 @@ def _build_locked(shell: Shell, spec: BuildSpec, series: Series, out: Path, imag
         out.mkdir(parents=True)
     cenv = ccache_env()
     cc = cenv is not None
-    base_target = "tinyconfig" if spec.arch == "x86_64" else "defconfig"
+    base_target = "defconfig" if spec.arch == "um" else "tinyconfig"
     shell.run(make_argv(src, out, spec.arch, base_target, ccache=cc), env=cenv,
               log=out / "config.log", what=f"make {base_target}")
     fragments = spec.fragments()

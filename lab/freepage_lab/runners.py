@@ -36,6 +36,10 @@ class GuestConfig:
     qmp_socket: Path | None = None
     incoming: str | None = None
     cpu: str | None = None  # QEMU -cpu model; default max (TCG) / host (KVM)
+    smp: int = 1  # arm64 only: x86_64 guests keep one vCPU
+    # arm64 only: -icount shift=0, one guest instruction per virtual
+    # nanosecond, so guest clocks count instructions (work, not time)
+    icount: bool = False
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -214,13 +218,60 @@ class QemuRunner(Runner):
         return rss_bytes(guest.pid)
 
 
+class Arm64Runner(Runner):
+    """qemu-system-aarch64 (TCG) with EL2, so the guest kernel runs KVM for real.
+
+    `-M virt,virtualization=on` gives the guest EL2: its kernel initialises
+    KVM in VHE mode, or nVHE with `kvm-arm.mode=nvhe` on the command line,
+    and runs nested guests (the KVM selftests) under emulation.
+    """
+
+    name = "arm64"
+
+    def __init__(self, shell: Shell, accel: str = "tcg") -> None:
+        super().__init__(shell)
+        if accel == "kvm":
+            raise LabError("--accel kvm refused: the arm64 platform is emulated (TCG) on this host")
+        self.accel = "tcg"
+        self.accel_reason = "arm64 guests are emulated"
+
+    def argv(self, cfg: GuestConfig) -> list[str]:
+        append = " ".join(["console=ttyAMA0", "panic=-1", "fp.halt=reboot", "quiet",
+                           "loglevel=4", *cfg.cmdline])
+        argv = ["qemu-system-aarch64", "-machine", "virt,virtualization=on,gic-version=3",
+                "-accel", "tcg", "-cpu", cfg.cpu or "max", "-smp", str(cfg.smp),
+                "-m", f"{cfg.mem_mib}M", "-kernel", str(cfg.kernel), "-initrd", str(cfg.initrd),
+                "-append", append, "-display", "none", "-monitor", "none",
+                "-serial", "stdio", "-no-reboot", "-nodefaults"]
+        if cfg.icount:
+            argv += ["-icount", "shift=0"]
+        if cfg.balloon:
+            dev = "virtio-balloon-device,id=balloon0"
+            if cfg.free_page_reporting:
+                dev += ",free-page-reporting=on"
+            argv += ["-device", dev]
+        if cfg.qmp_socket is not None:
+            argv += ["-qmp", f"unix:{cfg.qmp_socket},server=on,wait=off"]
+        return argv + cfg.extra_args
+
+    def footprint_bytes(self, guest: Guest) -> int | None:
+        return rss_bytes(guest.pid)
+
+
+PLATFORMS = ("uml", "qemu", "arm64")
+# the kernel arch each platform boots
+PLATFORM_ARCH = {"uml": "um", "qemu": "x86_64", "arm64": "arm64"}
+
+
 def make_runner(name: str, shell: Shell, accel: str = "auto",
                 qemu_binary: Path = STOCK_QEMU) -> Runner:
     if name == "uml":
         return UmlRunner(shell)
     if name == "qemu":
         return QemuRunner(shell, accel, qemu_binary)
-    raise LabError(f"unknown platform {name!r}: choose uml or qemu")
+    if name == "arm64":
+        return Arm64Runner(shell, "tcg" if accel == "auto" else accel)
+    raise LabError(f"unknown platform {name!r}: choose one of {', '.join(PLATFORMS)}")
 
 
 class Qmp:

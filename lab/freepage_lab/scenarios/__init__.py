@@ -59,13 +59,14 @@ def registry() -> dict[str, Scenario]:
     from .migrate import Migrate
     from .realloc import Realloc
     from .reclaim import ReclaimScenario
+    from .split import Split
     from .zerobench import Zerobench
     from .zerofirst import Zerofirst
     from .zeromix import Zeromix
     from .zeroskip import Zeroskip
 
     return {s.name: s for s in (ReclaimScenario(), Realloc(), Migrate(), Zeroskip(), Zeromix(),
-                                Zerobench(), Zerofirst())}
+                                Zerobench(), Zerofirst(), Split())}
 
 
 def get(name: str) -> Scenario:

@@ -1,0 +1,241 @@
+"""split: the work of KVM arm64's eager stage-2 split, stock vs the arm64-split series.
+
+Platform arm64 only: qemu-system-aarch64 (TCG) gives the guest EL2, so its
+kernel runs KVM for real, and the KVM selftest dirty_log_perf_test runs a
+nested guest on it. Eager splitting is off by default in 6.12; the
+selftests carry a test-only patch that sets KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE
+from the environment (kernel/arm64-split/bench/selftests-eager-split-env.patch).
+
+Both kernels carry a test-only patch (kernel/arm64-split/bench/split-walk-stats.patch)
+that counts, per page-table level, the entries the split walk visits, and
+the nanoseconds spent in kvm_pgtable_stage2_split() with mmu_lock held.
+The guest runs with -icount shift=0 and one vCPU: guest time advances one
+nanosecond per executed instruction, so those nanoseconds are the
+instructions the split executed (interrupts included, nothing else runs on
+the CPU while mmu_lock is held for write). A software model's timings mean
+nothing for hardware; its instruction and visit counts are work, and that
+is all this scenario reports.
+
+Per case (backing x manual protect), dirty_log_perf_test -m 6 (4 KiB guest
+pages, 40-bit IPA) -v 1 -b <mib>M -i <iterations> -s <backing>, with -g
+when manual protect is off: then the whole memslot is split when dirty
+logging is enabled (KVM_SET_USER_MEMORY_REGION2); with manual protect the
+split happens in KVM_CLEAR_DIRTY_LOG, 64 pages at a time. Also reported:
+the test's own "Enabling dirty logging" and "Clear dirty log" times, in
+virtual ns (instructions of the whole ioctl, as user space sees it; with
+one L1 vCPU they include whatever else ran meanwhile).
+
+Stock and series boots alternate (ABBA) over `rounds`.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..context import RunContext
+from ..runners import GuestConfig
+from ..shell import LabError
+from ..stats import median_ratio
+from . import Outcome, Scenario, abba, table
+
+STATS_PATCH = "split-walk-stats.patch"
+STATS = "/sys/module/kvm/parameters/split_walk_stats"
+BACKINGS = ("anonymous", "anonymous_thp", "anonymous_hugetlb")
+# opt-in: 1 GiB blocks (a boot-time pool of 1 GiB pages in the L1 guest)
+HUGE_1G = "anonymous_hugetlb_1gb"
+VARIANTS = ("stock", "series")
+MODE_P40V48_4K = 6  # dirty_log_perf_test -m: 4 KiB guest pages
+MAX_MIB = 4096
+LEVELS = 4  # levels 0-3 of a 4 KiB granule, 48-bit input address
+
+GUEST_SCRIPT = """\
+echo 1 > {stats}
+grep -q . {stats} || exit 3
+dmesg | grep -E 'kvm \\[1\\]: (VHE|Hyp|nVHE)' || true
+echo {hugepages} > /proc/sys/vm/nr_hugepages
+run_case() {{
+\techo 1 > {stats}
+\trc=0
+\tout=$(KVM_EAGER_SPLIT_CHUNK_SIZE={chunk} /kvm/dirty_log_perf_test -m {mode} -v 1 \\
+\t\t-b {mib}M -i {iterations} -s "$1" $2 2>&1) || rc=$?
+\techo "$out"
+\ten=$(echo "$out" | sed -n 's/^Enabling dirty logging time: \\([0-9.]*\\)s.*/\\1/p')
+\tcl=$(echo "$out" | sed -n 's/^Clear dirty log over .* took \\([0-9.]*\\)s\\..*/\\1/p')
+\tprintf '{{"prog":"split","backing":"%s","manual":"%s","rc":%d,"enable_s":"%s",' \\
+\t\t"$1" "${{2:-manual}}" "$rc" "$en"
+\tprintf '"clear_s":"%s","stats":"%s"}}\\n' "$cl" "$(cat {stats})"
+}}
+"""
+
+
+@dataclass(frozen=True)
+class Params:
+    backings: tuple[str, ...] = BACKINGS
+    # manual protect off (split at dirty-log enable) and on (split at clear)
+    manual: tuple[str, ...] = ("off", "on")
+    mib: int = 256  # the test memslot (one vCPU)
+    iterations: int = 2  # dirty_log_perf_test needs two
+    rounds: int = 2
+    chunk_bytes: int = 2 << 20  # KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE
+    kvm_mode: str = "vhe"  # or nvhe: kvm-arm.mode=nvhe
+    mem_mib: int = 0  # L1 guest RAM; 0: enough for the memslot
+    timeout_s: float = 3600
+
+
+def guest_script(p: Params) -> str:
+    head = GUEST_SCRIPT.format(stats=STATS, hugepages=p.mib // 2 + 8, chunk=p.chunk_bytes,
+                               mode=MODE_P40V48_4K, mib=p.mib, iterations=p.iterations)
+    cases = [f"run_case {b} {'-g' if m == 'off' else ''}".rstrip()
+             for b in p.backings for m in p.manual]
+    return head + "\n".join(cases) + "\n"
+
+
+def parse_stats(text: str) -> dict[str, Any]:
+    """"calls C ns N visits L0 L1 L2 L3" (split-walk-stats.patch) -> numbers."""
+    m = re.fullmatch(r"calls (\d+) ns (\d+) visits (\d+) (\d+) (\d+) (\d+)", text.strip())
+    if not m:
+        raise LabError(f"split: unexpected {STATS} content {text!r}")
+    nums = [int(x) for x in m.groups()]
+    return {"split_calls": nums[0], "split_insns": nums[1], "visits_by_level": nums[2:]}
+
+
+def seconds_to_insns(text: str) -> int | None:
+    """dirty_log_perf_test's "S.NNNNNNNNN" seconds: under -icount shift=0, instructions."""
+    if not text:
+        return None
+    sec, _, frac = text.partition(".")
+    return int(sec) * 10**9 + int((frac + "000000000")[:9])
+
+
+def parse_record(rec: dict[str, Any]) -> dict[str, Any]:
+    if rec.get("rc") != 0:
+        raise LabError(f"split: dirty_log_perf_test failed for {rec.get('backing')} "
+                       f"(manual {rec.get('manual')}, exit {rec.get('rc')})")
+    out = {"backing": rec["backing"], "manual": "off" if rec["manual"] == "-g" else "on"}
+    out.update(parse_stats(rec["stats"]))
+    out["enable_ioctl_insns"] = seconds_to_insns(rec.get("enable_s", ""))
+    out["clear_ioctls_insns"] = seconds_to_insns(rec.get("clear_s", ""))
+    return out
+
+
+def summarise_cases(samples: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per case: medians per variant, the series/stock ratio of split instructions."""
+    cases: list[dict[str, Any]] = []
+    keys = sorted({(r["backing"], r["manual"]) for rs in samples.values() for r in rs},
+                  key=lambda k: ((*BACKINGS, HUGE_1G).index(k[0]), k[1]))
+    for backing, manual in keys:
+        case: dict[str, Any] = {"backing": backing, "manual": manual}
+        for variant in VARIANTS:
+            rs = [r for r in samples.get(variant, [])
+                  if (r["backing"], r["manual"]) == (backing, manual)]
+            if not rs:
+                continue
+            case[variant] = {
+                "split_insns_median": statistics.median(r["split_insns"] for r in rs),
+                "split_calls": rs[0]["split_calls"],
+                "visits_by_level": rs[0]["visits_by_level"],
+                "visits_identical_across_rounds": all(
+                    r["visits_by_level"] == rs[0]["visits_by_level"] for r in rs),
+                "enable_ioctl_insns_median": _median_or_none(
+                    [r["enable_ioctl_insns"] for r in rs]),
+                "clear_ioctls_insns_median": _median_or_none(
+                    [r["clear_ioctls_insns"] for r in rs]),
+                "samples": len(rs),
+            }
+            case[variant + "_split_insns"] = [r["split_insns"] for r in rs]
+        if "stock" in case and "series" in case and case["stock"]["split_insns_median"]:
+            case["ratio_split_insns"] = median_ratio(case["stock_split_insns"],
+                                                     case["series_split_insns"]).as_dict()
+        cases.append(case)
+    return cases
+
+
+def _median_or_none(xs: list[int | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _m(x: float | None) -> str:
+    return "n/a" if x is None else f"{x / 1e6:.2f}"
+
+
+def render(cases: list[dict[str, Any]]) -> str:
+    rows = []
+    for c in cases:
+        st, se = c.get("stock", {}), c.get("series", {})
+        ratio = c.get("ratio_split_insns")
+        rows.append([
+            c["backing"], c["manual"],
+            _m(st.get("split_insns_median")), _m(se.get("split_insns_median")),
+            f"{ratio['ratio']:.3f} ({(ratio['ratio'] - 1) * 100:+.1f}%)" if ratio else "n/a",
+            "/".join(str(v) for v in st.get("visits_by_level", [])),
+            "/".join(str(v) for v in se.get("visits_by_level", [])),
+            _m(st.get("enable_ioctl_insns_median" if c["manual"] == "off"
+                      else "clear_ioctls_insns_median")),
+            _m(se.get("enable_ioctl_insns_median" if c["manual"] == "off"
+                      else "clear_ioctls_insns_median")),
+        ])
+    return table(["backing", "manual", "split Minsn stock", "series", "series/stock",
+                  "visits L0/L1/L2/L3 stock", "series", "ioctl Minsn stock", "series"], rows)
+
+
+class Split(Scenario):
+    name = "split"
+    Params = Params
+
+    def run(self, ctx: RunContext, params: Any) -> Outcome:
+        p: Params = params
+        if ctx.platform != "arm64":
+            raise LabError("split: runs on --platform arm64 (KVM arm64 inside the guest)")
+        for b in p.backings:
+            if b not in (*BACKINGS, HUGE_1G):
+                raise LabError(f"split: unknown backing {b!r}; choose from "
+                               f"{', '.join((*BACKINGS, HUGE_1G))}")
+        if HUGE_1G in p.backings and p.mib % 1024:
+            raise LabError(f"split: {HUGE_1G} needs mib to be a multiple of 1024")
+        if not set(p.manual) <= {"off", "on"} or not p.manual:
+            raise LabError("split: manual is a list of off,on")
+        if not 2 <= p.mib <= MAX_MIB or p.mib % 2:
+            raise LabError(f"split: mib must be even, 2..{MAX_MIB}")
+        if p.kvm_mode not in ("vhe", "nvhe"):
+            raise LabError("split: kvm_mode is vhe or nvhe")
+        kernels = {v: ctx.kernel(patched=v == "series", extra_patches=(STATS_PATCH,))
+                   for v in VARIANTS}
+        initrd = ctx.initrd("split", guest_script(p))
+        mem = p.mem_mib or max(1024, 2 * p.mib + 512)
+        cmdline = ["kvm-arm.mode=nvhe"] if p.kvm_mode == "nvhe" else []
+        if HUGE_1G in p.backings:
+            # 1 GiB pages are only sure to be found at boot
+            cmdline += ["hugepagesz=1G", f"hugepages={p.mib // 1024}", "hugepagesz=2M"]
+            mem = p.mem_mib or mem + p.mib
+        samples: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+        for rnd in range(p.rounds):
+            for variant in abba(VARIANTS, rnd):
+                cfg = GuestConfig(kernel=kernels[variant], initrd=initrd, mem_mib=mem,
+                                  cmdline=cmdline, balloon=False, icount=True, smp=1)
+                name = f"split-{variant}-r{rnd}"
+                guest = ctx.runner().guest(name, cfg, ctx.log(name))
+                if ctx.shell.dry_run:
+                    guest.start()
+                    continue
+                print(f"split: round {rnd + 1}/{p.rounds}, {variant}", flush=True)
+                with guest:
+                    rc = guest.wait_exit(p.timeout_s)
+                    recs = guest.json_records("split")
+                if rc != 0:
+                    raise LabError(f"split: guest script failed (exit {rc}); see {guest.log_path}")
+                samples[variant] += [parse_record(r) for r in recs]
+        if ctx.shell.dry_run:
+            return Outcome(self.name, {}, "split: dry run, nothing measured")
+        cases = summarise_cases(samples)
+        data = {"params": asdict(p), "cases": cases,
+                "units": "instructions (QEMU -icount shift=0: 1 virtual ns per instruction)",
+                "samples": samples}
+        ctx.save("split", data)
+        head = (f"eager split, memslot {p.mib} MiB, 1 vCPU, 4 KiB guest pages, chunk "
+                f"{p.chunk_bytes >> 20} MiB, KVM {p.kvm_mode}; work in millions of guest "
+                "instructions (QEMU TCG -icount shift=0), never a time")
+        return Outcome(self.name, data, head + "\n" + render(cases))
