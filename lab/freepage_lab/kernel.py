@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import paths
+from . import patchqueue, paths
 from .shell import LabError, Shell, StageResult, timed
 
 ARCHES = ("um", "x86_64", "arm64")
@@ -142,55 +142,20 @@ def tree_path(shell: Shell, series: Series) -> Path:
 def applied_tree(shell: Shell, series: Series) -> Path:
     """A source tree with the series applied (none: stock), cached by its hash.
 
-    Hard-linked to the base (GNU patch replaces files it changes, so the
-    base stays pristine), hence cheap in time and disk. Kernels are built
-    in direct subdirectories of it, so that kbuild names every source file
-    relative to the build directory ("../mm/page_alloc.c"): compiler
-    command lines do not depend on where the tree is, and ccache serves a
-    rebuild after a series edit from the files the edit did not change.
+    Kernels are built in direct subdirectories of it, so that kbuild names
+    every source file relative to the build directory ("../mm/page_alloc.c"):
+    compiler command lines do not depend on where the tree is, and ccache
+    serves a rebuild after a series edit from the files the edit did not
+    change.
     """
-    base = base_tree(shell)
-    tree = tree_path(shell, series)
-    if (tree / ".freepage-applied").exists():
-        return tree
-    if shell.dry_run:
-        _apply(shell, base, tree, series)  # prints the commands
-        return tree
-    tree.parent.mkdir(parents=True, exist_ok=True)
-    with open(tree.parent / f"{tree.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (tree / ".freepage-applied").exists():
-            return tree
-        if tree.exists():
-            shutil.rmtree(tree)
-        _apply(shell, base, tree, series)
-        (tree / ".freepage-applied").write_text("\n".join(series.names) + "\n")
-    return tree
-
-
-def _apply(shell: Shell, base: Path, tree: Path, series: Series) -> None:
-    shell.run(["cp", "-al", base, tree], what="link base tree")
-    for patch in series.files:
-        shell.run(["patch", "-p1", "-N", "-s", "--no-backup-if-mismatch", "-d", tree, "-i", patch],
-                  what=f"apply {patch.name}")
+    return patchqueue.applied_tree(shell, base_tree(shell), tree_path(shell, series), series,
+                                   "base tree")
 
 
 def materialise(shell: Shell, series: Series, dest: Path) -> None:
     """A git work tree: base commit = pristine source, then one commit per patch."""
-    if dest.exists() and any(dest.iterdir()):
-        raise LabError(f"{dest} exists and is not empty; remove it or pick another --tree")
-    base = base_tree(shell)
-    shell.run(["cp", "-a", f"{base}/.", dest], what="copy base tree")
-    git: list[str | os.PathLike[str]] = ["git", "-C", dest, "-c", "user.name=freepage",
-                                         "-c", "user.email=dev@freepage.invalid"]
-    shell.run([*git, "init", "-q"], what="git init")
-    # Debian's top-level .gitignore ignores everything ("/*"): force it
-    shell.run([*git, "add", "-f", "-A"], what="git add")
-    shell.run([*git, "commit", "-q", "-m", f"base: {paths.BASE_PACKAGE} {base_version(shell)}"],
-              what="git commit base")
-    shell.run([*git, "tag", "freepage-base"], what="git tag")
-    if series.files:
-        shell.run([*git, "am", "-q", *series.files], what="git am series")
+    patchqueue.work_tree(shell, base_tree(shell), dest, series,
+                         f"base: {paths.BASE_PACKAGE} {base_version(shell)}", "base tree")
 
 
 COVER = "0000-cover-letter.patch"

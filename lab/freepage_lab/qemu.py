@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import kernel, paths
+from . import kernel, patchqueue, paths
 from .kernel import Series
 from .runners import STOCK_QEMU
 from .shell import LabError, Shell, StageResult, timed
@@ -132,47 +132,14 @@ def tree_path(series: Series) -> Path:
 
 def applied_tree(shell: Shell, series: Series) -> Path:
     """The base with the series applied, hard-linked and cached (see kernel.py)."""
-    base = base_tree(shell)
-    tree = tree_path(series)
-    if (tree / ".freepage-applied").exists():
-        return tree
-    if shell.dry_run:
-        _apply(shell, base, tree, series)
-        return tree
-    tree.parent.mkdir(parents=True, exist_ok=True)
-    with open(tree.parent / f"{tree.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (tree / ".freepage-applied").exists():
-            return tree
-        if tree.exists():
-            shutil.rmtree(tree)
-        _apply(shell, base, tree, series)
-        (tree / ".freepage-applied").write_text("\n".join(series.names) + "\n")
-    return tree
-
-
-def _apply(shell: Shell, base: Path, tree: Path, series: Series) -> None:
-    shell.run(["cp", "-al", base, tree], what="link QEMU base tree")
-    for patch in series.files:
-        shell.run(["patch", "-p1", "-N", "-s", "--no-backup-if-mismatch", "-d", tree, "-i", patch],
-                  what=f"apply {patch.name}")
+    return patchqueue.applied_tree(shell, base_tree(shell), tree_path(series), series,
+                                   "QEMU base tree")
 
 
 def materialise(shell: Shell, series: Series, dest: Path) -> None:
     """A git work tree: base commit = pristine source, then one commit per patch."""
-    if dest.exists() and any(dest.iterdir()):
-        raise LabError(f"{dest} exists and is not empty; remove it or pick another dir")
-    base = base_tree(shell)
-    shell.run(["cp", "-a", f"{base}/.", dest], what="copy QEMU base tree")
-    git: list[str | os.PathLike[str]] = ["git", "-C", dest, "-c", "user.name=freepage",
-                                         "-c", "user.email=dev@freepage.invalid"]
-    shell.run([*git, "init", "-q"], what="git init")
-    shell.run([*git, "add", "-f", "-A"], what="git add")
-    shell.run([*git, "commit", "-q", "-m", f"base: qemu {BASE_VERSION} (Debian orig tarball)"],
-              what="git commit base")
-    shell.run([*git, "tag", "freepage-base"], what="git tag")
-    if series.files:
-        shell.run([*git, "am", "-q", *series.files], what="git am series")
+    patchqueue.work_tree(shell, base_tree(shell), dest, series,
+                         f"base: qemu {BASE_VERSION} (Debian orig tarball)", "QEMU base tree")
 
 
 def export(shell: Shell, tree: Path) -> list[str]:

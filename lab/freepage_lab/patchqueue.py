@@ -1,0 +1,66 @@
+"""What the kernel and QEMU patch queues share: applying a series to a
+pristine base (hard-linked, cached) and the git work tree to edit it in."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .shell import LabError, Shell
+
+if TYPE_CHECKING:
+    from .kernel import Series
+
+APPLIED = ".freepage-applied"
+
+
+def applied_tree(shell: Shell, base: Path, tree: Path, series: Series, what: str) -> Path:
+    """`tree`: the pristine `base` with the series applied, made once.
+
+    Hard-linked to the base (GNU patch replaces the files it changes, so
+    the base stays pristine), hence cheap in time and disk; a lock keeps
+    two processes from making the same tree at once.
+    """
+    if (tree / APPLIED).exists():
+        return tree
+    if shell.dry_run:
+        _apply(shell, base, tree, series, what)  # prints the commands
+        return tree
+    tree.parent.mkdir(parents=True, exist_ok=True)
+    with open(tree.parent / f"{tree.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (tree / APPLIED).exists():
+            return tree
+        if tree.exists():
+            shutil.rmtree(tree)
+        _apply(shell, base, tree, series, what)
+        (tree / APPLIED).write_text("\n".join(series.names) + "\n")
+    return tree
+
+
+def _apply(shell: Shell, base: Path, tree: Path, series: Series, what: str) -> None:
+    shell.run(["cp", "-al", base, tree], what=f"link {what}")
+    for patch in series.files:
+        shell.run(["patch", "-p1", "-N", "-s", "--no-backup-if-mismatch", "-d", tree, "-i", patch],
+                  what=f"apply {patch.name}")
+
+
+def work_tree(shell: Shell, base: Path, dest: Path, series: Series, base_subject: str,
+              what: str) -> None:
+    """A git work tree at `dest`: base commit = pristine source, then one
+    commit per patch, tagged freepage-base at the base."""
+    if dest.exists() and any(dest.iterdir()):
+        raise LabError(f"{dest} exists and is not empty; remove it or pick another dir")
+    shell.run(["cp", "-a", f"{base}/.", dest], what=f"copy {what}")
+    git: list[str | os.PathLike[str]] = ["git", "-C", dest, "-c", "user.name=freepage",
+                                         "-c", "user.email=dev@freepage.invalid"]
+    shell.run([*git, "init", "-q"], what="git init")
+    # Debian's kernel tree ignores everything in its top .gitignore ("/*")
+    shell.run([*git, "add", "-f", "-A"], what="git add")
+    shell.run([*git, "commit", "-q", "-m", base_subject], what="git commit base")
+    shell.run([*git, "tag", "freepage-base"], what="git tag")
+    if series.files:
+        shell.run([*git, "am", "-q", *series.files], what="git am series")
