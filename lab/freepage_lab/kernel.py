@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -211,16 +210,8 @@ def export(shell: Shell, tree: Path, directory: Path = paths.PATCH_DIR) -> list[
 def check(shell: Shell, series: Series, name: str = "never-zero-twice") -> StageResult:
     """The series applies to the pristine base and is checkpatch --strict clean."""
     finish = timed(f"check {name}")
-    with tempfile.TemporaryDirectory(prefix="freepage-check-") as tmp:
-        scratch = Path(tmp) / "tree"
-        base = base_tree(shell)
-        if series.names:
-            shell.run(["cp", "-al", base, scratch], what="link base tree")
-            for patch in series.files:
-                shell.run(["patch", "-p1", "-N", "-s", "--dry-run", "-d", scratch, "-i", patch],
-                          what=f"{patch.name} does not apply")
-                shell.run(["patch", "-p1", "-N", "-s", "--no-backup-if-mismatch",
-                           "-d", scratch, "-i", patch], what=f"apply {patch.name}")
+    base = base_tree(shell)
+    patchqueue.check_applies(shell, base, series, "base tree")
     problems = []
     for patch in series.files:
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -64,3 +65,18 @@ def work_tree(shell: Shell, base: Path, dest: Path, series: Series, base_subject
     shell.run([*git, "tag", "freepage-base"], what="git tag")
     if series.files:
         shell.run([*git, "am", "-q", *series.files], what="git am series")
+
+
+def check_applies(shell: Shell, base: Path, series: Series, what: str) -> None:
+    """Every patch applies, in order, to a scratch copy of the pristine base
+    (a LabError names the first that does not)."""
+    if not series.names:
+        return
+    with tempfile.TemporaryDirectory(prefix="freepage-check-") as tmp:
+        scratch = Path(tmp) / "tree"
+        shell.run(["cp", "-al", base, scratch], what=f"link {what}")
+        for patch in series.files:
+            shell.run(["patch", "-p1", "-N", "-s", "--dry-run", "-d", scratch, "-i", patch],
+                      what=f"{patch.name} does not apply")
+            shell.run(["patch", "-p1", "-N", "-s", "--no-backup-if-mismatch",
+                       "-d", scratch, "-i", patch], what=f"apply {patch.name}")

@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,15 +154,7 @@ def check(shell: Shell, series: Series) -> StageResult:
     """The series applies to the pristine base and is checkpatch.pl clean."""
     finish = timed("check qemu")
     base = base_tree(shell)
-    with tempfile.TemporaryDirectory(prefix="freepage-qemu-check-") as tmp:
-        scratch = Path(tmp) / "tree"
-        if series.names:
-            shell.run(["cp", "-al", base, scratch], what="link QEMU base tree")
-            for patch in series.files:
-                shell.run(["patch", "-p1", "-N", "-s", "--dry-run", "-d", scratch, "-i", patch],
-                          what=f"{patch.name} does not apply")
-                shell.run(["patch", "-p1", "-N", "-s", "--no-backup-if-mismatch",
-                           "-d", scratch, "-i", patch], what=f"apply {patch.name}")
+    patchqueue.check_applies(shell, base, series, "QEMU base tree")
     problems = []
     for patch in series.files:
         argv: list[str | os.PathLike[str]] = [base / "scripts" / "checkpatch.pl",
