@@ -60,7 +60,9 @@ class RunContext:
             zeroing = self.patched and self.patched_qemu
         if self.platform == "uml":
             return self.runner()
-        cfg.device_init_reported = cfg.device_init_on_inflate = zeroing
+        # QEMU refuses bit 6 without the reporting queue it belongs to
+        cfg.device_init_reported = zeroing and cfg.free_page_reporting
+        cfg.device_init_on_inflate = zeroing
         return self.runner(patched_qemu=zeroing or self.patched_qemu)
 
     def qemu_binary(self, patched: bool | None = None) -> Path:
