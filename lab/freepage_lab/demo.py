@@ -56,13 +56,13 @@ STEPS = (
 
 
 def medians(data: object, prefix: str = "") -> dict[str, float]:
-    """Every numeric 'median' in a result tree, keyed by its path."""
+    """Every number at or under a 'median' key of a result tree, keyed by its path."""
     out: dict[str, float] = {}
     if isinstance(data, dict):
         for k, v in data.items():
             path = f"{prefix}.{k}" if prefix else str(k)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and (
-                    k == "median" or prefix.endswith("median")):
+                    "median" in path.split(".")):
                 out[path] = float(v)
             else:
                 out.update(medians(v, path))

@@ -10,6 +10,9 @@ def test_side_by_side_pairs_medians_and_ratios():
     assert "modes.thp.t90_s" in text and "0.25x" in text
     assert "n/a" in text  # a zero stock median has no ratio
     assert demo.side_by_side({"a": 1}, {"b": 2}) == "(no common medians)"
+    # reclaim keeps its medians one level deeper, per mode
+    nested = demo.side_by_side({"median": {"4k": {"t50_s": 2.0}}}, {"median": {"4k": {"t50_s": 1.0}}})
+    assert "median.4k.t50_s" in nested and "0.50x" in nested
 
 
 def test_every_step_names_a_scenario_and_valid_parameters():
