@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +81,17 @@ def _dir(name: str) -> Entry:
     return Entry(name, stat.S_IFDIR | 0o755)
 
 
+def _programs(src: Path, names: Sequence[str], dest: str, missing: str) -> list[Entry]:
+    """Executables src/<name> as dest/<basename>; `missing` names one that is not there."""
+    out = []
+    for name in names:
+        path = src / name
+        if not path.exists():
+            raise LabError(missing.format(path))
+        out.append(_file(f"{dest}/{Path(name).name}", path.read_bytes()))
+    return out
+
+
 def _file(name: str, data: bytes, mode: int = 0o755) -> Entry:
     return Entry(name, stat.S_IFREG | mode, data)
 
@@ -93,11 +105,7 @@ def base_entries(progs_dir: Path, busybox: Path = BUSYBOX) -> list[Entry]:
     entries.append(_file("bin/busybox", busybox.read_bytes()))
     entries.append(Entry("bin/sh", stat.S_IFLNK | 0o777, b"busybox"))
     entries.append(_file("init", INIT.encode()))
-    for prog in GUEST_PROGS:
-        path = progs_dir / prog
-        if not path.exists():
-            raise LabError(f"guest program {path} missing (make -C guest)")
-        entries.append(_file(f"bin/{prog}", path.read_bytes()))
+    entries += _programs(progs_dir, GUEST_PROGS, "bin", "guest program {} missing (make -C guest)")
     return entries
 
 
@@ -132,13 +140,7 @@ def kvm_selftest_entries(kvm_dir: Path) -> list[Entry]:
     """The KVM selftests under /kvm (aarch64/page_fault_test -> /kvm/page_fault_test)."""
     from .selftests import PROGRAMS
 
-    entries = [_dir("kvm")]
-    for prog in PROGRAMS:
-        path = kvm_dir / prog
-        if not path.exists():
-            raise LabError(f"KVM selftest {path} missing")
-        entries.append(_file(f"kvm/{Path(prog).name}", path.read_bytes()))
-    return entries
+    return [_dir("kvm"), *_programs(kvm_dir, PROGRAMS, "kvm", "KVM selftest {} missing")]
 
 
 def base_image(shell: Shell, arch: str = "x86_64") -> Path:
