@@ -27,7 +27,9 @@ backports_min=(10.0 1.5 1.3 10.0)
 apt_lock=(-o DPkg::Lock::Timeout=900)
 
 installed_version() {
-	dpkg-query -W -f='${Status} ${Version}' "$1" 2>/dev/null |
+	# a package apt has never seen makes dpkg-query fail: under pipefail
+	# and set -e that would end the script, so it only means "not installed"
+	{ dpkg-query -W -f='${Status} ${Version}' "$1" 2>/dev/null || true; } |
 		sed -n 's/^install ok installed //p'
 }
 
