@@ -535,14 +535,14 @@ impl ReportJob {
             );
             return;
         }
+        // recorded before the used element is visible, so that whoever
+        // sees the ack also sees the counters
+        m.record_report_latency(self.popped.elapsed());
         let res = self
             .vring
             .add_used(self.head, used)
             .map_err(BackendError::from)
-            .and_then(|()| {
-                m.record_report_latency(self.popped.elapsed());
-                self.vring.signal_used_queue().map_err(BackendError::Signal)
-            });
+            .and_then(|()| self.vring.signal_used_queue().map_err(BackendError::Signal));
         if let Err(e) = res {
             warn!("report {}: {e}", self.head);
             m.reject(RejectReason::Malformed);
