@@ -1198,6 +1198,10 @@ impl VhostUserBackend for BalloonBackend {
         if evset != EventSet::IN {
             return Err(BackendError::UnexpectedEvent(device_event, evset).into());
         }
+        // The event in progress counts as in flight too: a quiesce that
+        // starts while this thread has popped chains but not yet queued
+        // their tasks waits for them (see `pool.rs`).
+        let _busy = self.inner.pool.begin();
         let acked = self.acked();
         if device_event == STATS_REQUEST_EVENT {
             // Drain the counter; EAGAIN just means a spurious wakeup.

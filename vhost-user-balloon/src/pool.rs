@@ -9,7 +9,9 @@
 //! # In-flight work
 //!
 //! Every report popped from reporting_vq holds an [`InFlight`] token until
-//! its used element was added (or dropped, see below). [`DiscardPool::quiesce`]
+//! its used element was added (or dropped, see below), and so does the vring
+//! thread while it handles an event (so a chain popped but not yet queued
+//! is not missed). [`DiscardPool::quiesce`]
 //! blocks until no token is left. The backend calls it from the frontend
 //! request thread before it lets a message change what a worker could touch:
 //!

@@ -171,10 +171,19 @@ struct Dev {
 /// A backend with every feature but LOG_ALL negotiated, guest memory
 /// shared, four rings enabled.
 fn device(d: Arc<dyn Discarder>) -> Dev {
+    device_with(d, None)
+}
+
+/// As [`device`], with `threads` discard workers (None: the default).
+fn device_with(d: Arc<dyn Discarder>, threads: Option<usize>) -> Dev {
     let mem = GuestMem::from_ranges(&[(GuestAddress(0), MEM as usize)]).unwrap();
     let atomic = GuestMemoryAtomic::new(mem.clone());
     let state = Arc::new(DeviceState::new(0).unwrap());
-    let backend = BalloonBackend::new(state.clone(), d, DeviceFeatures::default());
+    let f = DeviceFeatures::default();
+    let backend = match threads {
+        None => BalloonBackend::new(state.clone(), d, f),
+        Some(n) => BalloonBackend::with_discard_threads(state.clone(), d, f, n).unwrap(),
+    };
     let features = backend.features() & !bit(spec::F_LOG_ALL);
     backend.acked_features(features);
     backend.update_memory(atomic.clone()).unwrap();
@@ -390,4 +399,17 @@ fn reset_waits_for_discards_and_drops_their_ack() {
     assert_eq!(counter(&dev, "report_acks_dropped"), 1);
     resetter.join().unwrap();
     t.join().unwrap();
+}
+
+#[test]
+fn without_workers_the_report_is_acked_before_the_kick_returns() {
+    let (gate, _entered) = GateDiscarder::new(u64::MAX); // never blocks
+    let mut dev = device_with(gate.clone(), Some(0));
+    assert_eq!(dev.backend.discard_threads(), 0);
+    post_report(&mut dev, 3);
+    kick(&dev.backend, &dev.vrings, REPORTING);
+    assert_eq!(dev.rings[REPORTING].used_idx(&dev.mem), 1);
+    assert_eq!(dev.rings[REPORTING].used_len(&dev.mem, 0), 3 * 0x1_0000);
+    assert_eq!(gate.calls.lock().unwrap().len(), 3);
+    assert_eq!(counter(&dev, "report_acks"), 1);
 }
