@@ -2,7 +2,7 @@
 //! virtqueue, config space, and the state shared with the control socket.
 
 use std::io;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -25,6 +25,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::discard::{self, treat_range, Discarder, GuestMem, LogBitmap, Treatment};
 use crate::metrics::{add, Metrics};
+use crate::pool::{self, DiscardPool, InFlight, PoolError};
 use crate::ranges::{self, BalloonConfig, GuestRange, Plan, RegionInfo, RejectReason, Stat};
 use crate::shim::BackendChannel;
 use crate::spec::{self, bit, has, QueueRole, SpecError, MAX_QUEUES, PAGE_SIZE};
@@ -74,6 +75,9 @@ pub enum BackendError {
     /// Reading the stats request eventfd failed.
     #[error("eventfd error: {0}")]
     EventFd(io::Error),
+    /// The discard worker pool could not be started.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
 }
 
 impl From<BackendError> for io::Error {
@@ -413,6 +417,137 @@ struct Inner {
     mem: Mutex<Option<GM>>,
     acked: AtomicU64,
     stats_head: Mutex<Option<u16>>,
+    /// Treats reported ranges off the vring thread (see `pool.rs` for what
+    /// happens to in-flight reports on reset, stop and memory changes).
+    pool: DiscardPool,
+}
+
+/// What treating one range needs, without the backend itself (a task must
+/// not keep the backend, and so the pool, alive from a worker).
+#[derive(Clone)]
+struct TreatCtx {
+    state: Arc<DeviceState>,
+    discarder: Arc<dyn Discarder>,
+    /// LOG_ALL negotiated when the chain was popped.
+    migrating: bool,
+}
+
+impl TreatCtx {
+    /// Applies `t` to the valid range `r`; returns the parts that `t`
+    /// promised to initialize and that could not be. A range the device
+    /// changed is marked in the frontend's dirty log; while the frontend
+    /// migrates (LOG_ALL) a range the log did not record counts as not
+    /// initialized, since the destination would not get it.
+    fn treat(&self, mem: &GuestMem, r: GuestRange, t: Treatment) -> Vec<GuestRange> {
+        let m = &self.state.metrics;
+        let t0 = Instant::now();
+        let (mut o, err) = treat_range(self.discarder.as_ref(), mem, r, t);
+        if o.discarded + o.zero_filled + o.pattern_filled > 0 {
+            let logged = discard::mark_dirty(mem, r);
+            if self.migrating && !logged && t != Treatment::Release {
+                add(&m.dirty_log_misses, 1);
+                warn!(
+                    "LOG_ALL negotiated but no dirty log for {:#x}+{:#x}: \
+                     not acknowledged as initialized",
+                    r.gpa, r.len
+                );
+                o.uninitialized = vec![r];
+            }
+        }
+        m.record_discard_latency(t0.elapsed());
+        if let Some(e) = err {
+            warn!("range {:#x}+{:#x}: {e}", r.gpa, r.len);
+        }
+        add(&m.discarded_bytes, o.discarded);
+        add(&m.zero_filled_bytes, o.zero_filled);
+        add(&m.poison_filled_bytes, o.pattern_filled);
+        add(&m.partial_page_skipped_bytes, o.skipped);
+        add(&m.discard_errors, o.discard_errors);
+        add(&m.fill_errors, o.fill_errors);
+        add(&m.uninitialized_bytes, o.uninitialized_bytes());
+        o.uninitialized
+    }
+}
+
+/// One popped reporting_vq chain whose ranges are being treated. The task
+/// that finishes the last range completes it: the used element is added
+/// only then, i.e. after every range was discarded or filled and marked in
+/// the dirty log.
+struct ReportJob {
+    head: u16,
+    vring: VringRwLock<GM>,
+    /// The memory map current when the chain was popped (kept mapped until
+    /// the job is done).
+    mem: Arc<GuestMem>,
+    ctx: TreatCtx,
+    /// Bit 6 negotiated: used length = total length when initialized.
+    init: bool,
+    /// Lengths of all descriptors of the chain.
+    lens: Vec<u32>,
+    /// Nothing rejected and every descriptor read: the report can be
+    /// initialized if every range is.
+    complete_plan: bool,
+    popped: Instant,
+    remaining: AtomicUsize,
+    uninitialized: Mutex<Vec<GuestRange>>,
+    _in_flight: InFlight,
+}
+
+impl ReportJob {
+    /// Treats one range; the last one completes the report.
+    fn run(&self, r: GuestRange, t: Treatment) {
+        let u = self.ctx.treat(&self.mem, r, t);
+        if !u.is_empty() {
+            self.uninitialized
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(u);
+        }
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.complete();
+        }
+    }
+
+    /// Adds the used element (if the vring is still enabled) and signals.
+    fn complete(&self) {
+        let m = &self.ctx.state.metrics;
+        let used = if self.init {
+            let clean = self
+                .uninitialized
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty();
+            let used = ranges::report_used_len(&self.lens, self.complete_plan && clean);
+            if used == 0 {
+                add(&m.reports_not_initialized, 1);
+                debug!("report not initialized (rejected or failed ranges)");
+            }
+            used
+        } else {
+            0
+        };
+        m.reports_in_flight.fetch_sub(1, Ordering::Relaxed);
+        if !self.vring.get_ref().is_enabled() {
+            add(&m.report_acks_dropped, 1);
+            warn!(
+                "report {} treated after its vring was disabled: not acknowledged",
+                self.head
+            );
+            return;
+        }
+        // recorded before the used element is visible, so that whoever
+        // sees the ack also sees the counters
+        m.record_report_latency(self.popped.elapsed());
+        let res = self
+            .vring
+            .add_used(self.head, used)
+            .map_err(BackendError::from)
+            .and_then(|()| self.vring.signal_used_queue().map_err(BackendError::Signal));
+        if let Err(e) = res {
+            warn!("report {}: {e}", self.head);
+            m.reject(RejectReason::Malformed);
+        }
+    }
 }
 
 /// The vhost-user backend of one frontend connection.
@@ -509,11 +644,38 @@ pub fn region_infos(mem: &GuestMem) -> Vec<RegionInfo> {
 }
 
 impl BalloonBackend {
-    /// Creates the backend for one connection.
+    /// Creates the backend for one connection with the default number of
+    /// discard workers ([`pool::default_threads`]); if they cannot be
+    /// started, reports are treated on the vring thread.
     pub fn new(
         state: Arc<DeviceState>,
         discarder: Arc<dyn Discarder>,
         features: DeviceFeatures,
+    ) -> Self {
+        let pool = DiscardPool::new(pool::default_threads()).unwrap_or_else(|e| {
+            warn!("{e}: reports are treated on the vring thread");
+            DiscardPool::empty()
+        });
+        Self::with_pool(state, discarder, features, pool)
+    }
+
+    /// Creates the backend for one connection with `threads` discard
+    /// workers (0: reports are treated on the vring thread).
+    pub fn with_discard_threads(
+        state: Arc<DeviceState>,
+        discarder: Arc<dyn Discarder>,
+        features: DeviceFeatures,
+        threads: usize,
+    ) -> Result<Self, BackendError> {
+        let pool = DiscardPool::new(threads)?;
+        Ok(Self::with_pool(state, discarder, features, pool))
+    }
+
+    fn with_pool(
+        state: Arc<DeviceState>,
+        discarder: Arc<dyn Discarder>,
+        features: DeviceFeatures,
+        pool: DiscardPool,
     ) -> Self {
         let virtio = features.virtio_features(discarder.releases_memory());
         state.connection_started(virtio);
@@ -526,7 +688,31 @@ impl BalloonBackend {
                 mem: Mutex::new(None),
                 acked: AtomicU64::new(0),
                 stats_head: Mutex::new(None),
+                pool,
             }),
+        }
+    }
+
+    /// Number of discard worker threads (0: inline on the vring thread).
+    pub fn discard_threads(&self) -> usize {
+        self.inner.pool.threads()
+    }
+
+    /// Blocks until every report popped so far has been treated and
+    /// completed (see `pool.rs`).
+    pub fn quiesce(&self) {
+        let n = self.inner.pool.in_flight();
+        if n > 0 {
+            debug!("waiting for {n} report(s) in flight");
+        }
+        self.inner.pool.quiesce();
+    }
+
+    fn treat_ctx(&self) -> TreatCtx {
+        TreatCtx {
+            state: self.inner.state.clone(),
+            discarder: self.inner.discarder.clone(),
+            migrating: has(self.acked(), spec::F_LOG_ALL),
         }
     }
 
@@ -561,44 +747,14 @@ impl BalloonBackend {
         }
     }
 
-    /// Applies `t` to every valid range of `plan`; returns the parts that
-    /// `t` promised to initialize and that could not be. Every range the
-    /// device changed is marked in the frontend's dirty log; while the
-    /// frontend migrates (LOG_ALL) a range the log did not record counts as
-    /// not initialized, since the destination would not get it.
+    /// Applies `t` to every valid range of `plan` on this thread; returns
+    /// the parts that `t` promised to initialize and that could not be.
     fn treat_ranges(&self, mem: &GuestMem, plan: &Plan, t: Treatment) -> Vec<GuestRange> {
-        let m = self.metrics();
-        let migrating = has(self.acked(), spec::F_LOG_ALL);
-        let mut uninitialized = Vec::new();
-        for (_, r) in &plan.ranges {
-            let t0 = Instant::now();
-            let (mut o, err) = treat_range(self.inner.discarder.as_ref(), mem, *r, t);
-            if o.discarded + o.zero_filled + o.pattern_filled > 0 {
-                let logged = discard::mark_dirty(mem, *r);
-                if migrating && !logged && t != Treatment::Release {
-                    add(&m.dirty_log_misses, 1);
-                    warn!(
-                        "LOG_ALL negotiated but no dirty log for {:#x}+{:#x}: \
-                         not acknowledged as initialized",
-                        r.gpa, r.len
-                    );
-                    o.uninitialized = vec![*r];
-                }
-            }
-            m.record_discard_latency(t0.elapsed());
-            if let Some(e) = err {
-                warn!("range {:#x}+{:#x}: {e}", r.gpa, r.len);
-            }
-            add(&m.discarded_bytes, o.discarded);
-            add(&m.zero_filled_bytes, o.zero_filled);
-            add(&m.poison_filled_bytes, o.pattern_filled);
-            add(&m.partial_page_skipped_bytes, o.skipped);
-            add(&m.discard_errors, o.discard_errors);
-            add(&m.fill_errors, o.fill_errors);
-            add(&m.uninitialized_bytes, o.uninitialized_bytes());
-            uninitialized.extend(o.uninitialized);
-        }
-        uninitialized
+        let ctx = self.treat_ctx();
+        plan.ranges
+            .iter()
+            .flat_map(|(_, r)| ctx.treat(mem, *r, t))
+            .collect()
     }
 
     /// Pops every available chain, lets `f` handle it, returns the ones `f`
@@ -823,6 +979,12 @@ impl BalloonBackend {
     /// (discard, and zero-fill what could not be discarded; or fill with
     /// `poison_val` under PAGE_POISON) and returns used length = total length
     /// only when all of it was initialized, 0 otherwise.
+    ///
+    /// The ranges are treated by the discard workers, one task per range;
+    /// this returns as soon as they are queued. The used element of a chain
+    /// is added (and the guest signalled) by the task that finishes its last
+    /// range, so chains can complete out of order, never before all of their
+    /// ranges are done.
     pub fn process_reporting(&self, vring: &VringRwLock<GM>) -> Result<(), BackendError> {
         let init = has(self.acked(), spec::F_DEVICE_INIT_REPORTED);
         let pattern = self.inner.state.init_pattern();
@@ -834,6 +996,7 @@ impl BalloonBackend {
             (false, _) => None,
         };
         self.drain_queue(vring, |mem, chain| {
+            let popped = Instant::now();
             let m = self.metrics();
             let lens: Vec<u32> = chain.clone().map(|d| d.len()).collect();
             let descs: Vec<GuestRange> = chain
@@ -846,8 +1009,8 @@ impl BalloonBackend {
             let plan = ranges::plan(&descs, &region_infos(mem), PAGE_SIZE);
             self.count_rejects(&plan, "report");
             add(&m.reported_bytes, plan.valid_bytes());
-            let uninitialized = match t {
-                Some(t) => self.treat_ranges(mem, &plan, t),
+            let todo: Vec<GuestRange> = match t {
+                Some(_) => plan.ranges.iter().map(|(_, r)| *r).collect(),
                 None => {
                     // virtio 1.2 5.5.6.7: with PAGE_POISON negotiated the
                     // device must not change reported pages to anything but
@@ -856,17 +1019,30 @@ impl BalloonBackend {
                     Vec::new()
                 }
             };
-            if !init {
-                return Some(0);
+            add(&m.reports_in_flight, 1);
+            let job = Arc::new(ReportJob {
+                head: chain.head_index(),
+                vring: vring.clone(),
+                mem: mem.clone().into_inner(),
+                ctx: self.treat_ctx(),
+                init,
+                complete_plan: plan.rejects.is_empty() && descs.len() == lens.len(),
+                lens,
+                popped,
+                remaining: AtomicUsize::new(todo.len()),
+                uninitialized: Mutex::new(Vec::new()),
+                _in_flight: self.inner.pool.begin(),
+            });
+            match t {
+                Some(t) if !todo.is_empty() => {
+                    for r in todo {
+                        let j = job.clone();
+                        self.inner.pool.spawn(Box::new(move || j.run(r, t)));
+                    }
+                }
+                _ => job.complete(),
             }
-            let all =
-                plan.rejects.is_empty() && uninitialized.is_empty() && descs.len() == lens.len();
-            let used = ranges::report_used_len(&lens, all);
-            if used == 0 {
-                add(&m.reports_not_initialized, 1);
-                debug!("report not initialized (rejected or failed ranges)");
-            }
-            Some(used)
+            None
         })
     }
 }
@@ -904,6 +1080,8 @@ impl VhostUserBackend for BalloonBackend {
         if (self.acked() | log) != (features | log) {
             self.drop_held_stats();
         }
+        // reports popped under the old features complete under them
+        self.quiesce();
         self.inner.acked.store(features, Ordering::Relaxed);
         self.inner.state.features_negotiated(features);
     }
@@ -913,6 +1091,9 @@ impl VhostUserBackend for BalloonBackend {
     }
 
     fn reset_device(&self) {
+        // The library disabled every vring before this call: what is in
+        // flight finishes its discards and is not acknowledged.
+        self.quiesce();
         *self
             .inner
             .stats_head
@@ -926,6 +1107,9 @@ impl VhostUserBackend for BalloonBackend {
 
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
         debug!("ring {queue_index} stopped");
+        // Complete the reports popped so far before the frontend reads the
+        // ring state back (GET_VRING_BASE).
+        self.quiesce();
         let stats = spec::queue_index(self.acked(), QueueRole::Stats);
         if usize::try_from(queue_index).ok() == stats {
             self.drop_held_stats();
@@ -984,6 +1168,8 @@ impl VhostUserBackend for BalloonBackend {
     }
 
     fn update_memory(&self, mem: GM) -> io::Result<()> {
+        // In-flight tasks hold the old map; answer only when they are done.
+        self.quiesce();
         let regions = region_infos(&mem.memory());
         for r in &regions {
             info!("guest memory region {:#x}+{:#x}", r.gpa, r.len);
@@ -1012,6 +1198,10 @@ impl VhostUserBackend for BalloonBackend {
         if evset != EventSet::IN {
             return Err(BackendError::UnexpectedEvent(device_event, evset).into());
         }
+        // The event in progress counts as in flight too: a quiesce that
+        // starts while this thread has popped chains but not yet queued
+        // their tasks waits for them (see `pool.rs`).
+        let _busy = self.inner.pool.begin();
         let acked = self.acked();
         if device_event == STATS_REQUEST_EVENT {
             // Drain the counter; EAGAIN just means a spurious wakeup.

@@ -6,6 +6,7 @@ use clap::{Parser, ValueEnum};
 use thiserror::Error;
 
 use crate::backend::DeviceFeatures;
+use crate::pool::{default_threads, MAX_DISCARD_THREADS};
 
 /// How inflated / reported pages are given back to the host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -108,6 +109,14 @@ pub struct Args {
     #[arg(long, value_enum, value_name = "MODE", default_value_t = DiscardMode::Auto)]
     pub discard: DiscardMode,
 
+    /// Threads that discard reported free pages, off the thread that serves
+    /// the virtqueues; the ranges of one report are discarded in parallel
+    /// and the report is acknowledged when all of them are done. 0 discards
+    /// on the virtqueue thread itself (inflate, deflate and stats then wait
+    /// for every report). Default: 2, or 1 on a single CPU.
+    #[arg(long, value_name = "N", default_value_t = default_threads())]
+    pub discard_threads: usize,
+
     /// Log level (logs go to stderr; RUST_LOG is not consulted).
     #[arg(long, value_enum, value_name = "LEVEL", default_value_t = LogLevel::Info)]
     pub log_level: LogLevel,
@@ -128,6 +137,9 @@ pub enum CliError {
     /// Path exists and is not a socket (we would delete it).
     #[error("{0} exists and is not a socket; refusing to replace it")]
     NotASocket(PathBuf),
+    /// More discard threads than allowed.
+    #[error("--discard-threads {0}: at most {MAX_DISCARD_THREADS}")]
+    TooManyThreads(usize),
 }
 
 /// Validated configuration.
@@ -143,6 +155,8 @@ pub struct Config {
     pub features: DeviceFeatures,
     /// discard method.
     pub discard: DiscardMode,
+    /// discard worker threads (0: on the vring thread).
+    pub discard_threads: usize,
     /// log level.
     pub log_level: LogLevel,
 }
@@ -177,6 +191,9 @@ impl TryFrom<Args> for Config {
                 return Err(CliError::SamePath);
             }
         }
+        if a.discard_threads > MAX_DISCARD_THREADS {
+            return Err(CliError::TooManyThreads(a.discard_threads));
+        }
         Ok(Config {
             socket_path: a.socket_path,
             control_socket: a.control_socket,
@@ -192,6 +209,7 @@ impl TryFrom<Args> for Config {
                 dirty_log: !a.no_dirty_log,
             },
             discard: a.discard,
+            discard_threads: a.discard_threads,
             log_level: a.log_level,
         })
     }
@@ -213,6 +231,13 @@ mod tests {
         assert_eq!(c.features, DeviceFeatures::default());
         assert_eq!(c.discard, DiscardMode::Auto);
         assert_eq!(c.control_socket, None);
+        assert_eq!(c.discard_threads, default_threads());
+        let c = parse(&["-s", "/tmp/x.sock", "--discard-threads", "0"]).unwrap();
+        assert_eq!(c.discard_threads, 0);
+        assert_eq!(
+            parse(&["-s", "/tmp/x.sock", "--discard-threads", "65"]),
+            Err(CliError::TooManyThreads(65))
+        );
     }
 
     #[test]

@@ -6,6 +6,7 @@ pub mod cli;
 pub mod control;
 pub mod discard;
 pub mod metrics;
+pub mod pool;
 pub mod ranges;
 pub mod server;
 pub mod shim;

@@ -86,9 +86,15 @@ fn serve_connection(
     state: &Arc<DeviceState>,
     discarder: &Arc<dyn Discarder>,
 ) -> Result<(), ServerError> {
-    let backend = BalloonBackend::new(state.clone(), discarder.clone(), config.features);
+    let backend = BalloonBackend::with_discard_threads(
+        state.clone(),
+        discarder.clone(),
+        config.features,
+        config.discard_threads,
+    )
+    .map_err(|e| ServerError::Daemon(e.to_string()))?;
     let mem = GuestMemoryAtomic::new(GuestMem::new());
-    let mut daemon = VhostUserDaemon::new("vhost-user-balloon".into(), backend, mem)
+    let mut daemon = VhostUserDaemon::new("vhost-user-balloon".into(), backend.clone(), mem)
         .map_err(|e| ServerError::Daemon(e.to_string()))?;
 
     // The library accepts on an (abstract, private) listener; the shim
@@ -116,6 +122,9 @@ fn serve_connection(
         .map_err(ServerError::Register)?;
     }
     let res = daemon.wait();
+    // Every discard of this frontend is done before the next one connects
+    // (it may share the same memory and reuse the reported pages).
+    backend.quiesce();
     state.connection_closed();
     shim.join();
     match res {
@@ -149,9 +158,10 @@ pub fn run(config: Config) -> Result<(), ServerError> {
     }
     install_signal_handler(paths)?;
     info!(
-        "listening on {} (virtio-balloon, offered features {:#x})",
+        "listening on {} (virtio-balloon, offered features {:#x}, {} discard thread(s))",
         config.socket_path.display(),
-        config.features.virtio_features(discarder.releases_memory())
+        config.features.virtio_features(discarder.releases_memory()),
+        config.discard_threads
     );
     let mut conn_no = 0u64;
     loop {
