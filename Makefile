@@ -33,6 +33,8 @@ test-kernel: deps
 	$(FREEPAGE) series check
 	$(FREEPAGE) build --arch all --vanilla
 	$(FREEPAGE) build --arch all
+	# the series with pre-zeroing compiled out builds too
+	$(FREEPAGE) build --arch um --fragment prezero-off.config
 
 # the QEMU patch queue: applies, checkpatch.pl clean, builds (cached); the
 # boot tests run the build (migration with bit 6, vhost-user-balloon)
