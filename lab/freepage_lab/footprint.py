@@ -17,6 +17,9 @@ class Sample:
 class Sampler:
     """Calls `probe` every `interval` seconds on a thread (default 20 Hz).
 
+    A slow probe delays the next call (no catching up); rate_hz() tells
+    what was achieved.
+
     A probe answering None (the guest is not there yet, or gone) adds no sample.
     """
 
@@ -61,6 +64,7 @@ class Reclaim:
     t90_s: float | None
     fraction: float
     settled_s: float | None
+    t99_s: float | None = None
 
 
 def value_at(samples: list[Sample], t: float) -> int:
@@ -87,19 +91,21 @@ def settle_time(samples: list[Sample], t0: float, window: float = 3.0, tol: floa
 
 
 def analyse_reclaim(samples: list[Sample], t_freed: float, freed_bytes: int) -> Reclaim:
-    """Seconds to give back 50% / 90% of the freed memory, and the final fraction."""
+    """Seconds to give back 50% / 90% / 99% of the freed memory, and the final fraction."""
     if not samples:
         raise ValueError("no footprint samples")
     before = max(s.bytes for s in samples if s.t <= t_freed + 0.5) if any(
         s.t <= t_freed + 0.5 for s in samples) else samples[0].bytes
     after_samples = [s for s in samples if s.t >= t_freed]
     after = min(s.bytes for s in after_samples) if after_samples else before
-    t50 = t90 = None
+    t50 = t90 = t99 = None
     for s in after_samples:
         dropped = before - s.bytes
         if t50 is None and dropped >= 0.5 * freed_bytes:
             t50 = s.t - t_freed
         if t90 is None and dropped >= 0.9 * freed_bytes:
             t90 = s.t - t_freed
+        if t99 is None and dropped >= 0.99 * freed_bytes:
+            t99 = s.t - t_freed
     return Reclaim(before, after, freed_bytes, t50, t90, (before - after) / freed_bytes,
-                   settle_time(samples, t_freed))
+                   settle_time(samples, t_freed), t99)

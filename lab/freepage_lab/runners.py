@@ -56,6 +56,11 @@ class Runner(ABC):
     def footprint_bytes(self, guest: Guest) -> int | None:
         """Host memory the guest's RAM costs right now (None: guest gone)."""
 
+    def huge_backing_bytes(self, guest: Guest) -> int | None:
+        """Of the footprint, how much the host backs with transparent huge
+        pages (None: not measurable on this platform, or guest gone)."""
+        return None
+
     def guest(self, name: str, cfg: GuestConfig, log: Path, interactive: bool = False) -> Guest:
         return Guest(name, self.argv(cfg), log, self.shell, interactive=interactive)
 
@@ -70,6 +75,18 @@ def rss_bytes(pid: int) -> int | None:
     except OSError:
         return None
     return None  # a zombie has no VmRSS
+
+
+def anon_huge_bytes(pid: int) -> int | None:
+    """AnonHugePages of one process (/proc/<pid>/smaps_rollup); None once it has exited."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 class UmlRunner(Runner):
@@ -216,6 +233,10 @@ class QemuRunner(Runner):
 
     def footprint_bytes(self, guest: Guest) -> int | None:
         return rss_bytes(guest.pid)
+
+    def huge_backing_bytes(self, guest: Guest) -> int | None:
+        """Guest RAM is QEMU's anonymous memory: its THP-backed part."""
+        return anon_huge_bytes(guest.pid)
 
 
 class Arm64Runner(Runner):

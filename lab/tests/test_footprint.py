@@ -61,3 +61,10 @@ def test_recorded_qemu_timeline_reanalyses_to_the_saved_result():
         assert r.t50_s == pytest.approx(saved["t50_s"])
     thp = [r["fraction"] for r in rounds if r["mode"] == "thp"]
     assert min(thp) >= 0.9
+
+
+def test_t99_needs_nearly_everything_back():
+    r = analyse_reclaim(synthetic(), 1.0, 500 * MIB)
+    # 600 -> 100 MiB at 100 MiB/s from t=3: 99% of 500 MiB at 3 + 4.95 s
+    assert r.t99_s == pytest.approx(2 + 4.95, abs=0.06)
+    assert analyse_reclaim(synthetic(), 1.0, 512 * MIB).t99_s is None

@@ -1,21 +1,64 @@
-"""reclaim: the guest populates X MiB, frees it; how fast does the host get it back?"""
+"""reclaim: the guest populates X MiB, frees it; how fast does the host get it back?
+
+Variants, each a guest kernel on the same host side (Debian's QEMU for
+qemu, vhost-user-balloon for uml), booted in turn, `repeat` times each,
+the order rotated per repeat so that drift hits every variant alike:
+
+  off       stock 6.12, the device does not offer free page reporting
+  stock     stock 6.12 (2 s delay, 1/16 of each free list per pass)
+  stock250  stock 6.12 + kernel/bench/stock-delay-250ms.patch
+  freepage  the series (kernel/patches) with its default knobs
+  context   whatever the run context stands for (--vanilla,
+            --patched-qemu): the single-kernel behaviour of old
+"""
 
 from __future__ import annotations
 
+import re
 import statistics
-from dataclasses import asdict, dataclass
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..context import RunContext
-from ..footprint import Reclaim, Sampler, analyse_reclaim
+from ..footprint import Sample, Sampler, analyse_reclaim, value_at
+from ..guest import Guest
 from ..initramfs import EVENT
 from ..plot import timeline_plot
-from ..runners import GuestConfig
+from ..runners import GuestConfig, Runner
+from ..shell import LabError
 from . import Outcome, Scenario, fmt_s, table
 
 MIB = 1 << 20
 BALLOON_BOUND = ("ls -d /sys/bus/virtio/drivers/virtio_balloon/virtio* >/dev/null 2>&1 || "
                  "{ echo 'no virtio_balloon device bound' >&2; exit 4; }")
+REPORTING_SYSFS = "/sys/kernel/mm/page_reporting"
+# the series' counters, read once at the end of a boot
+REPORTING_COUNTERS = ("passes", "time_us", "reported_pages", "pcp_drained_pages", "reused_pages")
+COUNTER_TAG = "REPORTING-COUNTER"
+STOCK250_PATCH = "stock-delay-250ms.patch"
+# the goals of issue 11: (fraction of the freed memory, within seconds)
+GOALS = ((0.90, 1.0), (0.99, 2.0))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A guest kernel and whether the device offers free page reporting."""
+
+    name: str
+    patched: bool
+    extra_patches: tuple[str, ...] = ()
+    reporting: bool = True
+
+
+VARIANTS = {v.name: v for v in (
+    Variant("off", patched=False, reporting=False),
+    Variant("stock", patched=False),
+    Variant("stock250", patched=False, extra_patches=(STOCK250_PATCH,)),
+    Variant("freepage", patched=True),
+)}
+CONTEXT = "context"
 
 
 @dataclass
@@ -23,19 +66,25 @@ class ReclaimParams:
     mem_mib: int = 2048
     populate_mib: int = 512
     modes: tuple[str, ...] = ("4k", "thp")
-    repeat: int = 3
+    variants: tuple[str, ...] = ("off", "stock", "stock250", "freepage")
+    # boots per variant
+    repeat: int = 5
+    # populate/free rounds per mode in one boot
+    rounds: int = 1
     settle_s: int = 15
     fill: int = 0xA5
+    # footprint sampling period (50 Hz)
+    interval_s: float = 0.02
     # vm.percpu_pagelist_high_fraction in the guest; 0 keeps the kernel's
-    # default (per-cpu lists may hold 1/8 of a zone, and a UP kernel never
-    # drains them when idle, so those 4 KiB pages are never reported)
+    # default (per-cpu lists may hold 1/8 of a zone; stock 6.12 never
+    # reports what they hold, the series drains them after a bulk free)
     pcp_high_fraction: int = 0
     timeout_s: int = 300
 
 
 def rounds_of(p: ReclaimParams) -> list[str]:
-    """The mode of each populate/free round, in order."""
-    return [m for m in p.modes for _ in range(p.repeat)]
+    """The mode of each populate/free round of one boot, in order."""
+    return [m for m in p.modes for _ in range(p.rounds)]
 
 
 def guest_script(p: ReclaimParams) -> str:
@@ -46,11 +95,49 @@ def guest_script(p: ReclaimParams) -> str:
         lines.append(f"echo {p.pcp_high_fraction} > /proc/sys/vm/percpu_pagelist_high_fraction")
     for i, mode in enumerate(rounds_of(p)):
         lines += [
+            f"echo {EVENT} populate {i}",
             f"populate --mib {p.populate_mib} --mode {mode} --fill {p.fill} --tag reclaim",
             f"echo {EVENT} freed {i}",
             f"sleep {p.settle_s}",
         ]
+    names = " ".join(REPORTING_COUNTERS)
+    lines.append(f"for f in {names}; do [ -r {REPORTING_SYSFS}/$f ] && "
+                 f"echo \"{COUNTER_TAG} $f $(cat {REPORTING_SYSFS}/$f)\"; done; true")
     return "\n".join(lines) + "\n"
+
+
+def parse_counters(lines: list[str]) -> dict[str, int | list[int]]:
+    """The series' reporting counters the guest script printed (none: stock kernel)."""
+    out: dict[str, int | list[int]] = {}
+    for text in lines:
+        m = re.match(rf"^{COUNTER_TAG} (\w+) ([\d ]+)$", text.strip())
+        if not m:
+            continue
+        nums = [int(x) for x in m.group(2).split()]
+        out[m.group(1)] = nums if len(nums) > 1 else nums[0]
+    return out
+
+
+def order_of_boots(variants: tuple[str, ...], repeat: int) -> list[tuple[int, str]]:
+    """(repeat, variant) in boot order: variants rotated by one per repeat."""
+    out = []
+    n = len(variants)
+    for r in range(repeat):
+        out += [(r, variants[(r + i) % n]) for i in range(n)]
+    return out
+
+
+@dataclass
+class Boot:
+    """One guest's life: its rounds, timelines (seconds since its start) and counters."""
+
+    variant: str
+    repeat: int
+    rounds: list[dict[str, Any]]
+    sample_rate_hz: float
+    timeline: dict[str, list[float]]
+    huge_timeline: dict[str, list[float]] = field(default_factory=dict)
+    counters: dict[str, int | list[int]] = field(default_factory=dict)
 
 
 class ReclaimScenario(Scenario):
@@ -58,18 +145,60 @@ class ReclaimScenario(Scenario):
     Params = ReclaimParams
 
     def run(self, ctx: RunContext, params: ReclaimParams) -> Outcome:
-        cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("reclaim", guest_script(params)),
-                          mem_mib=params.mem_mib)
-        runner = ctx.balloon_runner(cfg)
-        host = ctx.balloon_host(cfg, "balloon")
-        guest = runner.guest("reclaim", cfg, ctx.log("reclaim"))
+        for v in params.variants:
+            if v != CONTEXT and v not in VARIANTS:
+                raise LabError(f"reclaim: unknown variant {v!r}; choose from "
+                               f"{', '.join([*VARIANTS, CONTEXT])}")
+        if not params.variants or params.repeat < 1 or params.rounds < 1:
+            raise LabError("reclaim: needs at least one variant, repeat >= 1 and rounds >= 1")
+        initrd = ctx.initrd("reclaim", guest_script(params))
         if ctx.shell.dry_run:
-            guest.start()
+            for v in params.variants:
+                _, host, guest = self._guest(ctx, params, v, 0, initrd)
+                with host:
+                    guest.start()
             return Outcome(self.name, {}, "(dry run)")
-        with host, guest, Sampler(lambda: runner.footprint_bytes(guest)) as sampler:
-            freed = []
+        boots = [self._boot(ctx, params, v, r, initrd)
+                 for r, v in order_of_boots(params.variants, params.repeat)]
+        return self._report(ctx, params, boots)
+
+    def _guest(self, ctx: RunContext, params: ReclaimParams, variant: str, rep: int,
+               initrd: Path) -> tuple[Runner, AbstractContextManager[object], Guest]:
+        name = f"reclaim-{variant}-{rep}"
+        if variant == CONTEXT:
+            cfg = GuestConfig(kernel=ctx.kernel(), initrd=initrd, mem_mib=params.mem_mib)
+            runner = ctx.balloon_runner(cfg)
+            host = ctx.balloon_host(cfg, name)
+        else:
+            v = VARIANTS[variant]
+            cfg = GuestConfig(kernel=ctx.kernel(patched=v.patched, extra_patches=v.extra_patches),
+                              initrd=initrd, mem_mib=params.mem_mib)
+            if ctx.platform == "uml":
+                runner = ctx.runner()
+                host = ctx.balloon_host(cfg, name, () if v.reporting else ("--no-reporting",))
+            else:
+                # Debian's QEMU for every variant: only the guest kernel differs
+                runner = ctx.runner(patched_qemu=False)
+                host = ctx.balloon_host(cfg, name)
+                cfg.balloon = False
+                onoff = "on" if v.reporting else "off"
+                cfg.extra_args = ["-device",
+                                  f"virtio-balloon-pci,id=balloon0,free-page-reporting={onoff}"]
+        return runner, host, runner.guest(name, cfg, ctx.log(name))
+
+    def _boot(self, ctx: RunContext, params: ReclaimParams, variant: str, rep: int,
+              initrd: Path) -> Boot:
+        runner, host, guest = self._guest(ctx, params, variant, rep, initrd)
+        print(f"reclaim: {variant}, repeat {rep + 1}/{params.repeat}", flush=True)
+        n = len(rounds_of(params))
+        with host, guest, Sampler(lambda: runner.footprint_bytes(guest),
+                                  params.interval_s) as sampler, \
+                Sampler(lambda: runner.huge_backing_bytes(guest), 0.1) as huge:
+            populate, freed = [], []
             idx = 0
-            for i in range(len(rounds_of(params))):
+            for i in range(n):
+                idx, line, _ = guest.wait_for(rf"^{EVENT} populate {i}$", params.timeout_s, idx)
+                populate.append(line.t)
                 idx, line, _ = guest.wait_for(rf"^{EVENT} freed {i}$", params.timeout_s, idx)
                 freed.append(line.t)
             rc = guest.wait_exit(params.timeout_s)
@@ -77,53 +206,160 @@ class ReclaimScenario(Scenario):
             raise guest.error(f"reclaim: guest script failed (exit {rc})")
         samples = sampler.samples
         freed_bytes = params.populate_mib * MIB
-        bounds = [0.0, *freed[1:], float("inf")]
-        rounds = [analyse_reclaim([s for s in samples if bounds[i] <= s.t < bounds[i + 1]],
-                                  t, freed_bytes) for i, t in enumerate(freed)]
         t0 = guest.started
+        ends = [*populate[1:], samples[-1].t if samples else float("inf")]
+        rounds = []
+        for i, (mode, tp, tf, te) in enumerate(zip(rounds_of(params), populate, freed, ends)):
+            part = [s for s in samples if tp <= s.t < te]
+            r = analyse_reclaim(part, tf, freed_bytes)
+            rounds.append(asdict(r) | {"t_freed_s": tf - t0, "mode": mode, "round": i}
+                          | _backing(samples, huge.samples, tp, tf, te))
+        return Boot(variant, rep, rounds, sampler.rate_hz(),
+                    {"t_s": [s.t - t0 for s in samples],
+                     "footprint_mib": [s.bytes / MIB for s in samples]},
+                    {"t_s": [s.t - t0 for s in huge.samples],
+                     "anon_huge_mib": [s.bytes / MIB for s in huge.samples]},
+                    parse_counters([ln.text for ln in guest.lines]))
+
+    def _report(self, ctx: RunContext, params: ReclaimParams, boots: list[Boot]) -> Outcome:
+        rates = [b.sample_rate_hz for b in boots]
+        summary = {v: {m: summarise([r for b in boots if b.variant == v for r in b.rounds
+                                     if r["mode"] == m]) for m in params.modes}
+                   for v in params.variants}
+        first = {v: next(b for b in boots if b.variant == v) for v in params.variants}
+        # the last variant is the one under test: its first boot at the top
+        # level, as a single-kernel run has always had it
+        head = first[params.variants[-1]]
         data: dict[str, Any] = {
             "platform": ctx.platform,
             "params": asdict(params),
-            "sample_rate_hz": sampler.rate_hz(),
-            "rounds": [asdict(r) | {"t_freed_s": t - t0, "mode": m}
-                       for r, t, m in zip(rounds, freed, rounds_of(params))],
-            "timeline": {"t_s": [s.t - t0 for s in samples],
-                         "footprint_mib": [s.bytes / MIB for s in samples]},
-            "median": {mode: _summary([r for r, m in zip(rounds, rounds_of(params)) if m == mode])
-                       for mode in params.modes},
+            "sample_rate_hz": min(rates),
+            "sample_rate_hz_range": [min(rates), max(rates)],
+            "boot_order": [b.variant for b in boots],
+            "rounds": head.rounds,
+            "timeline": head.timeline,
+            "variants": {v: {"summary": summary[v],
+                             "boots": [asdict(b) for b in boots if b.variant == v]}
+                         for v in params.variants},
+            "median": {m: {k: s["median"] for k, s in summary[head.variant][m].items()
+                           if isinstance(s, dict) and "median" in s}
+                       for m in params.modes},
+            "reporting_counters": {v: [b.counters for b in boots if b.variant == v]
+                                   for v in params.variants
+                                   if any(b.counters for b in boots if b.variant == v)},
         }
         label = f"reclaim-{ctx.platform}" + (f"-pcp{params.pcp_high_fraction}"
                                              if params.pcp_high_fraction else "")
         plot = ctx.run_dir / f"{label}.png"
-        timeline_plot(plot, data["timeline"]["t_s"], data["timeline"]["footprint_mib"],
-                      [t - t0 for t in freed],
-                      f"reclaim on {ctx.platform}: {params.populate_mib} MiB freed, rounds "
-                      + " ".join(rounds_of(params)))
-        rows = [[i, m, f"{(r.before_bytes - r.after_bytes) / MIB:.0f}", fmt_s(r.t50_s),
-                 fmt_s(r.t90_s), f"{r.fraction * 100:.0f}%", fmt_s(r.settled_s)]
-                for i, (r, m) in enumerate(zip(rounds, rounds_of(params)))]
-        for mode, med in data["median"].items():
-            rows.append(["median", mode, f"{med['released_mib']:.0f}", fmt_s(med["t50_s"]),
-                         fmt_s(med["t90_s"]), f"{med['fraction'] * 100:.0f}%", ""])
+        marks = [r["t_freed_s"] for r in head.rounds]
+        timeline_plot(plot, [], [], marks,
+                      f"reclaim on {ctx.platform}: {params.populate_mib} MiB freed per round "
+                      f"({', '.join(rounds_of(params))}), first boot of each variant",
+                      {v: (b.timeline["t_s"], b.timeline["footprint_mib"])
+                       for v, b in first.items()})
         pcp = (f", percpu_pagelist_high_fraction={params.pcp_high_fraction}"
-               if params.pcp_high_fraction else "")
+               if params.pcp_high_fraction else ", default per-cpu lists")
         text = (f"reclaim ({ctx.platform}, guest {params.mem_mib} MiB, {params.populate_mib} MiB "
-                f"freed per round{pcp}, footprint sampled at {sampler.rate_hz():.0f} Hz)\n"
-                + table(["round", "mode", "released MiB", "t50 s", "t90 s", "reclaimed",
-                         "settled s"], rows))
+                f"freed per round{pcp}, {params.repeat} boots per variant, footprint sampled at "
+                f"{min(rates):.0f}-{max(rates):.0f} Hz; median [min-max] of "
+                f"{params.repeat * params.rounds} rounds)\n"
+                + release_table(summary, params.modes))
+        if any(s.get("anon_huge_mib") for v in summary.values() for s in v.values()):
+            text += "\n\nhost THP backing (AnonHugePages of the VMM, MiB, median)\n" + \
+                backing_table(summary, params.modes)
+        for v, counters in data["reporting_counters"].items():
+            text += f"\n\n{v}: {REPORTING_SYSFS} at the end of each boot\n" + "\n".join(
+                "  " + ", ".join(f"{k}={_fmt_counter(c)}" for k, c in cs.items())
+                for cs in counters)
         ctx.save(label, data)
         return Outcome(self.name, data, text, [str(plot)])
 
 
-def _summary(rounds: list[Reclaim]) -> dict[str, float | None]:
-    return {
-        "t50_s": _median([r.t50_s for r in rounds]),
-        "t90_s": _median([r.t90_s for r in rounds]),
-        "fraction": statistics.median(r.fraction for r in rounds),
-        "released_mib": statistics.median((r.before_bytes - r.after_bytes) / MIB for r in rounds),
-    }
+def _fmt_counter(c: int | list[int]) -> str:
+    return "[" + " ".join(map(str, c)) + "]" if isinstance(c, list) else str(c)
 
 
-def _median(xs: list[float | None]) -> float | None:
-    vals = [x for x in xs if x is not None]
-    return statistics.median(vals) if len(vals) == len(xs) and vals else None
+def _backing(samples: list[Sample], huge: list[Sample], tp: float, tf: float,
+             te: float) -> dict[str, float | None]:
+    """Footprint and THP backing (MiB) before populate, populated, and released."""
+    out: dict[str, float | None] = {}
+    for key, ss in (("footprint", samples), ("anon_huge", huge)):
+        inside = [s for s in ss if tp <= s.t <= tf]
+        out[f"{key}_before_populate_mib"] = value_at(ss, tp) / MIB if ss else None
+        out[f"{key}_populated_mib"] = max(s.bytes for s in inside) / MIB if inside else None
+        out[f"{key}_released_mib"] = value_at(ss, te) / MIB if ss else None
+    return out
+
+
+def spread(xs: list[float | None]) -> dict[str, Any]:
+    """Median and range; None (never reached) ranks above every number."""
+    inf = float("inf")
+    vals = sorted(inf if x is None else x for x in xs)
+    if not vals:
+        return {"median": None, "min": None, "max": None, "n": 0, "reached": 0}
+    med = statistics.median(vals)
+
+    def num(x: float) -> float | None:
+        return None if x == inf or x != x else x
+
+    return {"median": num(med), "min": num(vals[0]), "max": num(vals[-1]), "n": len(vals),
+            "reached": sum(1 for x in xs if x is not None)}
+
+
+def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {k: spread([r[k] for r in rounds])
+                           for k in ("t50_s", "t90_s", "t99_s", "fraction")}
+    out["released_mib"] = spread([(r["before_bytes"] - r["after_bytes"]) / MIB for r in rounds])
+    for frac, within in GOALS:
+        key = f"t{round(frac * 100)}_s"
+        hits = sum(1 for r in rounds if r[key] is not None and r[key] <= within)
+        med = out[key]["median"]
+        out[f"{key.removesuffix('_s')}_within_{within:g}s"] = {
+            "met": med is not None and med <= within, "rounds": hits, "of": len(rounds)}
+    for key in ("footprint", "anon_huge"):
+        for when in ("before_populate", "populated", "released"):
+            vals = [r.get(f"{key}_{when}_mib") for r in rounds]
+            if all(v is not None for v in vals) and vals:
+                out.setdefault(f"{key}_mib", {})[when] = statistics.median(
+                    v for v in vals if v is not None)
+    return out
+
+
+def _cell(s: dict[str, Any], pct: bool = False) -> str:
+    if pct:
+        return (f"{s['median'] * 100:.0f}% [{s['min'] * 100:.0f}-{s['max'] * 100:.0f}]"
+                if s["median"] is not None else "n/a")
+    if s["n"] == 0:
+        return "n/a"
+    med = fmt_s(s["median"]) if s["median"] is not None else "never"
+    lo = fmt_s(s["min"]) if s["min"] is not None else "never"
+    hi = fmt_s(s["max"]) if s["max"] is not None else "never"
+    return f"{med} [{lo}-{hi}]"
+
+
+def release_table(summary: dict[str, dict[str, dict[str, Any]]], modes: tuple[str, ...]) -> str:
+    rows = []
+    for mode in modes:
+        for v, per_mode in summary.items():
+            s = per_mode[mode]
+            goals = []
+            for frac, within in GOALS:
+                g = s[f"t{round(frac * 100)}_within_{within:g}s"]
+                goals.append(f"{'yes' if g['met'] else 'no'} ({g['rounds']}/{g['of']})")
+            rows.append([mode, v, _cell(s["t50_s"]), _cell(s["t90_s"]), _cell(s["t99_s"]),
+                         _cell(s["fraction"], pct=True), *goals])
+    return table(["mode", "variant", "t50 s", "t90 s", "t99 s", "released",
+                  ">=90% in 1 s", ">=99% in 2 s"], rows)
+
+
+def backing_table(summary: dict[str, dict[str, dict[str, Any]]], modes: tuple[str, ...]) -> str:
+    rows = []
+    for mode in modes:
+        for v, per_mode in summary.items():
+            fp = per_mode[mode].get("footprint_mib", {})
+            ah = per_mode[mode].get("anon_huge_mib", {})
+            rows.append([mode, v] + [f"{ah.get(w, 0):.0f} / {fp.get(w, 0):.0f}"
+                                     for w in ("before_populate", "populated", "released")])
+    return table(["mode", "variant", "before populate", "after populate", "after release"],
+                 [[*r[:2], *r[2:]] for r in rows]) + "\n(AnonHugePages / RSS)"
+
