@@ -49,7 +49,8 @@ def test_qemu_boots_with_balloon_bound_and_a_real_clock(tmp_path):
 def test_qemu_reclaim_gives_back_80_percent_within_30s(tmp_path):
     ctx = ctx_for(tmp_path, "qemu")
     scen = reclaim.ReclaimScenario()
-    params = scen.params({"repeat": "1", "settle_s": "30", "populate_mib": "512", "modes": "thp"})
+    params = scen.params({"repeat": "1", "settle_s": "30", "populate_mib": "512", "modes": "thp",
+                         "variants": "context"})
     out = scen.run(ctx, params)
     rnd = out.data["rounds"][0]
     tl = out.data["timeline"]
