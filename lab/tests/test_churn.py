@@ -133,3 +133,13 @@ def test_unknown_variant_is_refused(tmp_path):
     scen = churn.Churn()
     with pytest.raises(LabError, match="unknown variant"):
         scen.run(ctx, scen.params({"variants": "stock,bogus"}))
+
+
+def test_trace_lines_become_a_timeline():
+    recs = [{"prog": "reporting", "tag": "t=12.50", "passes": 9, "current_delay_ms": 400,
+             "_t": 1.0},
+            {"prog": "reporting", "tag": "before", "passes": 8, "current_delay_ms": 100}]
+    assert churn.reporting_trace(recs) == [{"t_s": 12.5, "passes": 9, "current_delay_ms": 400}]
+    script = churn.churn_script(churn.ChurnParams(trace_ms=250))
+    assert "sleep 0.250; done ) & tracer=$!" in script and "kill $tracer" in script
+    assert "tracer" not in churn.churn_script(churn.ChurnParams())

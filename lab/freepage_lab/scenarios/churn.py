@@ -161,6 +161,13 @@ def reporting_delta(records: list[dict], before: str = "before",
             int(b["current_delay_ms"]))
 
 
+def reporting_trace(records: list[dict]) -> list[dict]:
+    """The counters a churn_script(trace_ms=...) printed during the loop, in order."""
+    return [{"t_s": float(r["tag"][2:]), **{k: v for k, v in r.items() if k not in
+                                              ("prog", "tag", "_t")}}
+            for r in records if r.get("prog") == "reporting" and r["tag"].startswith("t=")]
+
+
 def variant_config(ctx: RunContext, variant: str, initrd_name: str, script: str,
                    mem_mib: int) -> tuple[GuestConfig, bool]:
     """The guest config of a variant, and whether its balloon offers reporting."""
@@ -224,17 +231,25 @@ class ChurnParams:
     repeat: int = 5
     # boot-time reporting passes end before the loop starts
     settle_s: int = 10
+    # series only: print the reporting counters every N ms during the loop
+    # (a diagnostic: the sampler costs the guest some CPU); 0: off
+    trace_ms: int = 0
     timeout_s: int = 600
 
 
 def churn_script(p: ChurnParams) -> str:
+    loop = (f"churn --mib {p.churn_mib} --iterations {p.iterations} --sleep-ms {p.sleep_ms} "
+            "--tag churn")
+    if p.trace_ms:
+        pause = f"{p.trace_ms // 1000}.{p.trace_ms % 1000:03d}"
+        loop = (f"( while :; do reporting \"t=$(cut -d' ' -f1 /proc/uptime)\"; sleep {pause}; "
+                f"done ) & tracer=$!\n{loop}\nkill $tracer")
     return "\n".join([
         BALLOON_BOUND, REPORTING_SNAPSHOT.rstrip("\n"),
         f"sleep {p.settle_s}",
         "reporting before",
         f"echo {EVENT} start",
-        f"churn --mib {p.churn_mib} --iterations {p.iterations} --sleep-ms {p.sleep_ms} "
-        "--tag churn",
+        loop,
         f"echo {EVENT} done",
         "reporting after",
     ]) + "\n"
@@ -330,6 +345,7 @@ class Churn(Scenario):
         check_variants(self.name, params.variants)
         script = churn_script(params)
         boots: list[ChurnBoot] = []
+        traces: dict[str, list[dict]] = {}
         for rnd in range(params.repeat):
             for variant in rotation(params.variants, rnd):
                 tag = f"churn-{ctx.platform}-{variant}-{rnd}"
@@ -337,11 +353,14 @@ class Churn(Scenario):
                                     params.mem_mib, params.timeout_s)
                 if boot is not None:
                     boots.append(churn_boot(boot))
+                    traces[tag] = reporting_trace(boot.records)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         summary = summarise_churn(boots, params.variants)
         data: dict[str, Any] = {"platform": ctx.platform, "params": asdict(params),
                                 "variants": summary, "boots": [asdict(b) for b in boots]}
+        if params.trace_ms:
+            data["trace"] = traces
         ctx.save(f"churn-{ctx.platform}", data)
         short = [v for v, e in summary.items() if e["loop_s"]["min"] < 10]
         note = (f"\nnote: the loop lasted < 10 s in some boots of {', '.join(short)}"
