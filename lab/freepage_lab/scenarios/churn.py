@@ -243,7 +243,7 @@ def churn_script(p: ChurnParams) -> str:
     if p.trace_ms:
         pause = f"{p.trace_ms // 1000}.{p.trace_ms % 1000:03d}"
         loop = (f"( while :; do reporting \"t=$(cut -d' ' -f1 /proc/uptime)\"; sleep {pause}; "
-                f"done ) & tracer=$!\n{loop}\nkill $tracer")
+                f"done ) & tracer=$!\n{loop}\nkill $tracer || true")
     return "\n".join([
         BALLOON_BOUND, REPORTING_SNAPSHOT.rstrip("\n"),
         f"sleep {p.settle_s}",
