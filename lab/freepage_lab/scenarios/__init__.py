@@ -56,7 +56,10 @@ class Scenario(ABC):
 
 
 def registry() -> dict[str, Scenario]:
+    from .churn import Churn
+    from .idle import Idle
     from .migrate import Migrate
+    from .pagefault import Pagefault
     from .realloc import Realloc
     from .reclaim import ReclaimScenario
     from .split import Split
@@ -66,7 +69,8 @@ def registry() -> dict[str, Scenario]:
     from .zeroskip import Zeroskip
 
     return {s.name: s for s in (ReclaimScenario(), Realloc(), Migrate(), Zeroskip(), Zeromix(),
-                                Zerobench(), Zerofirst(), Split())}
+                                Zerobench(), Zerofirst(), Split(), Churn(), Pagefault(),
+                                Idle())}
 
 
 def get(name: str) -> Scenario:
