@@ -57,6 +57,7 @@ class Scenario(ABC):
 
 def registry() -> dict[str, Scenario]:
     from .migrate import Migrate
+    from .prezero import Prezero
     from .realloc import Realloc
     from .reclaim import ReclaimScenario
     from .split import Split
@@ -66,7 +67,7 @@ def registry() -> dict[str, Scenario]:
     from .zeroskip import Zeroskip
 
     return {s.name: s for s in (ReclaimScenario(), Realloc(), Migrate(), Zeroskip(), Zeromix(),
-                                Zerobench(), Zerofirst(), Split())}
+                                Zerobench(), Zerofirst(), Split(), Prezero())}
 
 
 def get(name: str) -> Scenario:

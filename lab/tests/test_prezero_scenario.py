@@ -1,0 +1,102 @@
+"""prezero scenarios: guest scripts, event parsing, summaries, the dry run."""
+
+import shutil
+import subprocess
+
+import pytest
+
+from freepage_lab import cli
+from freepage_lab.initramfs import EVENT
+from freepage_lab.scenarios import prezero
+from freepage_lab.shell import LabError
+
+
+def sh_syntax_ok(script: str) -> None:
+    sh = shutil.which("busybox") or shutil.which("sh")
+    assert sh
+    argv = [sh, "sh", "-n"] if sh.endswith("busybox") else [sh, "-n"]
+    subprocess.run([*argv, "/dev/stdin"], input=script.encode(), check=True)
+
+
+@pytest.mark.parametrize("variant", prezero.VARIANTS)
+def test_guest_script_dirties_waits_then_measures(variant):
+    p = prezero.PrezeroParams(populate_mib=256)
+    script = prezero.guest_script(p, ("4k", "hugetlb", "kzero9"), variant)
+    sh_syntax_ok(script)
+    lines = script.splitlines()
+    # only "on" enables the thread
+    assert ("knob enabled 1" in lines) == (variant == "on")
+    for mode in ("4k", "hugetlb"):
+        i = lines.index(f"populate --mib 256 --mode {mode} --fill 0xa5 --tag dirty")
+        assert lines[i + 2] == f"prezero_wait 600 {mode}"
+        assert lines[i + 5].startswith(f"populate --mib 256 --mode {mode} --verify --tag measure")
+    assert "echo 128 > /proc/sys/vm/nr_hugepages" in lines
+    # the limit patch spares user pages only: no in-kernel run for it
+    assert ("bench zero 9 256" in lines) == (variant != "limit")
+
+
+def test_wait_helper_stops_when_counters_stand_still():
+    helpers = prezero.shell_helpers(stable_s=2)
+    sh_syntax_ok(helpers)
+    assert "[ $stable -lt 2 ]" in helpers
+    assert "pgzero_(marked_prezero|prezero_hugetlb)" in helpers
+
+
+def test_events_and_deltas():
+    lines = [f"{EVENT} start thp pgzero_marked_prezero 10 pgzero_skipped 5 ",
+             "noise",
+             f"{EVENT} warm thp pgzero_marked_prezero 262154 pgzero_skipped 5",
+             f"{EVENT} waited thp seconds 7",
+             f"{EVENT} measured thp pgzero_marked_prezero 262154 pgzero_skipped 262149"]
+    events = prezero.parse_events(lines)
+    assert [e[0] for e in events] == ["start", "warm", "waited", "measured"]
+    assert prezero.delta(events, "thp", "start", "warm")["pgzero_marked_prezero"] == 262144
+    assert prezero.delta(events, "thp", "warm", "measured") == {
+        "pgzero_marked_prezero": 0, "pgzero_skipped": 262144}
+    assert prezero.delta(events, "4k", "start", "warm") == {}
+
+
+def measures(variant: str, ms: list[float]) -> list[prezero.Measure]:
+    on = variant == "on"
+    return [prezero.Measure("thp", x, {"pgzero_skipped": 262144 if on else 0},
+                            300000 if on else 0, 0) for x in ms]
+
+
+def test_summary_has_ratios_and_the_unconsumed_share(tmp_path):
+    p = prezero.PrezeroParams(repeat=3)
+    runs = {"vanilla": measures("vanilla", [1000, 1100, 900]),
+            "off": measures("off", [1000, 1000, 1000]),
+            "on": measures("on", [100, 110, 90]),
+            "limit": measures("limit", [80, 85, 90])}
+    data = prezero.summarise_run(p, ("thp",), runs)
+    e = data["modes"]["thp"]
+    assert e["speedup_on_over_vanilla"]["ratio"] == pytest.approx(10.0)
+    assert e["on_over_limit"]["ratio"] == pytest.approx(100 / 85)
+    assert e["on"]["unconsumed_share"] == pytest.approx((900000 - 3 * 262144) / 900000)
+    assert e["vanilla"]["unconsumed_share"] is None
+    data.update(platform="qemu", time_unit="ms")
+    text = prezero.render(data, ("thp",), prezero.VARIANTS)
+    assert "stock/on" in text and "10.00x" in text and "on/limit" in text
+    png = prezero.plot(data, tmp_path / "p.png")
+    assert png.stat().st_size > 1000
+
+
+def test_params_are_checked():
+    with pytest.raises(LabError, match="UML has no thp"):
+        prezero.check_params(prezero.PrezeroParams(modes=("thp",)), "uml")
+    with pytest.raises(LabError, match="unknown mode"):
+        prezero.check_params(prezero.PrezeroParams(modes=("kzero11",)), "qemu")
+    with pytest.raises(LabError, match="unknown variants"):
+        prezero.check_params(prezero.PrezeroParams(variants=("fast",)), "qemu")
+    assert prezero.check_params(prezero.PrezeroParams(), "uml") == ("4k", "kzero9", "kzero0")
+
+
+def test_dry_run_builds_four_kernels_and_boots_no_balloon(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+    assert cli.main(["--dry-run", "run", "prezero", "--platform", "uml",
+                     "--fragment", "bench.config", "--param", "repeat=2"]) == 0
+    err = capsys.readouterr().err
+    assert "um-release-vanilla+bench+page-zeroed-bench" in err
+    assert "um-release-patched+bench+page-zeroed-bench+unsafe-no-user-page-zeroing" in err
+    boots = [ln for ln in err.splitlines() if " mem=2048M " in ln]
+    assert len(boots) == 8 and not any("virtio_uml.device" in b for b in boots)
