@@ -7,7 +7,7 @@ import pytest
 
 from freepage_lab import cli
 from freepage_lab.initramfs import EVENT
-from freepage_lab.scenarios import prezero
+from freepage_lab.scenarios import prezero, prezero_cost, prezero_footprint
 from freepage_lab.shell import LabError
 
 
@@ -100,3 +100,65 @@ def test_dry_run_builds_four_kernels_and_boots_no_balloon(capsys, tmp_path, monk
     assert "um-release-patched+bench+page-zeroed-bench+unsafe-no-user-page-zeroing" in err
     boots = [ln for ln in err.splitlines() if " mem=2048M " in ln]
     assert len(boots) == 8 and not any("virtio_uml.device" in b for b in boots)
+
+
+@pytest.mark.parametrize("variant", prezero_cost.VARIANTS)
+def test_cost_script_walks_while_the_pool_is_cleared(variant):
+    p = prezero_cost.PrezeroCostParams(walks=2, pool_mib=512)
+    script = prezero_cost.guest_script(p, variant, 16384)
+    sh_syntax_ok(script)
+    lines = script.splitlines()
+    assert ("knob enabled 1" in lines) == (variant != "off")
+    assert ("knob nocache 0" in lines) == (variant == "cached")
+    assert "knob cpu_percent" not in script  # the default rate
+    walks = [i for i, ln in enumerate(lines) if ln.startswith("cachewalk --kib 16384")]
+    assert len(walks) == 2
+    for i in walks:
+        assert lines[i - 2].startswith("populate --mib 512") and "window" in lines[i + 1]
+
+
+def test_cost_windows_give_cpu_share_and_marked_pages():
+    lines = [f"{EVENT} window 0 ticks 5 uptime_cs 1000 pgzero_marked_prezero 0 "
+             "pgzero_prezero_aborted 0",
+             '{"prog":"cachewalk"}',
+             f"{EVENT} window 0 ticks 25 uptime_cs 1200 pgzero_marked_prezero 262144 "
+             "pgzero_prezero_aborted 32"]
+    w = prezero_cost.windows(lines)
+    assert list(w) == [0] and w[0][1]["ticks"] - w[0][0]["ticks"] == 20
+
+
+def test_cost_summary_compares_with_off():
+    walk = prezero_cost.Walk
+    runs = {"off": [walk(10, 5, 0, 0, 0)] * 3, "nt": [walk(10.5, 5.02, 0.1, 900, 0)] * 3,
+            "cached": [walk(20, 6, 0.1, 900, 16)] * 3}
+    data = prezero_cost.summarise_run(prezero_cost.PrezeroCostParams(), 32768, runs)
+    assert data["variants"]["cached"]["refill_over_off"]["ratio"] == pytest.approx(2.0)
+    text = prezero_cost.render(data, prezero_cost.VARIANTS)
+    assert "2.00x" in text and "10.0%" in text
+
+
+def test_host_llc_size_is_read(tmp_path):
+    f = tmp_path / "size"
+    f.write_text("32768K\n")
+    assert prezero_cost.host_llc_kib(f) == 32768
+    f.write_text("8M\n")
+    assert prezero_cost.host_llc_kib(f) == 8192
+    assert prezero_cost.host_llc_kib(tmp_path / "missing") == 0
+
+
+def test_footprint_script_has_an_off_then_an_on_window():
+    p = prezero_footprint.PrezeroFootprintParams(window_s=30)
+    script = prezero_footprint.guest_script(p)
+    sh_syntax_ok(script)
+    lines = script.splitlines()
+    assert lines.index("ev off all") < lines.index("ev on all") < lines.index("knob enabled 1")
+    assert lines.index("knob enabled 1") < lines.index("ev end all")
+    assert lines.count("sleep 30") == 2 and "knob min_order 0" in lines
+
+
+def test_footprint_dry_run_uses_the_balloon_daemon(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+    assert cli.main(["--dry-run", "run", "prezero_footprint", "--platform", "uml",
+                     "--fragment", "bench.config", "--param", "repeat=1"]) == 0
+    err = capsys.readouterr().err
+    assert "vhost-user-balloon --socket-path" in err and "virtio_uml.device=" in err

@@ -58,6 +58,8 @@ class Scenario(ABC):
 def registry() -> dict[str, Scenario]:
     from .migrate import Migrate
     from .prezero import Prezero
+    from .prezero_cost import PrezeroCost
+    from .prezero_footprint import PrezeroFootprint
     from .realloc import Realloc
     from .reclaim import ReclaimScenario
     from .split import Split
@@ -67,7 +69,8 @@ def registry() -> dict[str, Scenario]:
     from .zeroskip import Zeroskip
 
     return {s.name: s for s in (ReclaimScenario(), Realloc(), Migrate(), Zeroskip(), Zeromix(),
-                                Zerobench(), Zerofirst(), Split(), Prezero())}
+                                Zerobench(), Zerofirst(), Split(), Prezero(),
+                                PrezeroCost(), PrezeroFootprint())}
 
 
 def get(name: str) -> Scenario:
