@@ -1,8 +1,8 @@
 """prezero_cost: what pre-zeroing at its default rate costs a cache-sensitive workload.
 
 UML (the kernel runs natively on the host CPU, real caches), the series
-without its debug check (--fragment bench.config; the kernel of `prezero`,
-with the inert in-kernel benchmark), no balloon. Variants,
+(with --fragment bench.config without its debug check, which reads pages
+at allocation, never during the walk), no balloon. Variants,
 interleaved per repetition (ABBA):
   off     pre-zeroing disabled
   nt      enabled, nocache=1: non-temporal stores (MOVNTI), the default
@@ -45,7 +45,6 @@ from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, abba, table
 from .prezero import PREZERO_DIR, kernel_warnings, shell_helpers
-from .zerobench import BENCH_PATCH
 
 VARIANTS = ("off", "nt", "cached")
 NOCACHE = {"nt": 1, "cached": 0}
@@ -132,7 +131,7 @@ class PrezeroCost(Scenario):
 
     def _guest(self, ctx: RunContext, p: PrezeroCostParams, variant: str, rep: int,
                wss_kib: int) -> list[Walk]:
-        cfg = GuestConfig(kernel=ctx.kernel(patched=True, extra_patches=(BENCH_PATCH,)),
+        cfg = GuestConfig(kernel=ctx.kernel(patched=True),
                           initrd=ctx.initrd(f"prezero-cost-{variant}",
                                             guest_script(p, variant, wss_kib)),
                           mem_mib=p.mem_mib, balloon=False)

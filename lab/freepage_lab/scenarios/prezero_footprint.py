@@ -26,7 +26,6 @@ from ..shell import LabError
 from ..stats import summarise
 from . import Outcome, Scenario, table
 from .prezero import kernel_warnings, parse_events, shell_helpers
-from .zerobench import BENCH_PATCH
 
 MIB = 1 << 20
 
@@ -74,7 +73,7 @@ class PrezeroFootprint(Scenario):
     Params = PrezeroFootprintParams
 
     def _guest(self, ctx: RunContext, p: PrezeroFootprintParams, rep: int) -> Window | None:
-        cfg = GuestConfig(kernel=ctx.kernel(patched=True, extra_patches=(BENCH_PATCH,)),
+        cfg = GuestConfig(kernel=ctx.kernel(patched=True),
                           initrd=ctx.initrd("prezero-footprint", guest_script(p)),
                           mem_mib=p.mem_mib)
         tag = f"prezero-footprint-{rep}"
