@@ -56,6 +56,8 @@ VARIANTS = ("vanilla", "off", "on", "limit")
 PLATFORM_MODES = {"uml": ("4k", "kzero9", "kzero0"), "qemu": ("thp", "4k", "hugetlb")}
 POPULATE_MODES = ("4k", "thp", "hugetlb")
 HUGE_PAGE_MIB = 2
+# below this growth (pages per second) the pool counts as warm: 1 MiB/s
+SETTLED_PAGES_PER_S = 256
 EVENT_RE = re.compile(rf"^{EVENT} (\S+) (\S+)((?: \S+ -?\d+)*)\s*$")
 
 
@@ -64,9 +66,11 @@ def shell_helpers(stable_s: int = 3) -> str:
 
     vm: the counters on one line; ev NAME MODE: an event line with them;
     knob NAME VALUE: set a pre-zeroing knob if the kernel has it;
-    prezero_wait TIMEOUT: until the thread's counters stood still for
-    `stable_s` seconds (at once where there is no thread, after the idle
-    time), prints "<EVENT> waited <mode> seconds <n>".
+    prezero_wait TIMEOUT: until the thread's counters grew by less than
+    SETTLED_PAGES_PER_S a second for `stable_s` seconds in a row (the poll
+    itself forks and frees a few dirty pages each second, which the thread
+    clears, so they never stand quite still; without a thread: after that
+    idle time), prints "<EVENT> waited <mode> seconds <n>".
     """
     counters = "|".join(COUNTERS)
     return f"""vm() {{ grep -E '^({counters}) ' /proc/vmstat | tr '\\n' ' '; }}
@@ -78,7 +82,8 @@ prezero_wait() {{
 \t\tsleep 1; waited=$((waited + 1))
 \t\tcur=$(awk '/^pgzero_(marked_prezero|prezero_hugetlb) /{{s += $2}} END{{print s + 0}}' \\
 \t\t\t/proc/vmstat)
-\t\tif [ "$cur" = "$prev" ]; then stable=$((stable + 1)); else stable=0; fi
+\t\tif [ $((cur - prev)) -lt {SETTLED_PAGES_PER_S} ]; then stable=$((stable + 1))
+\t\telse stable=0; fi
 \t\tprev=$cur
 \tdone
 \techo "{EVENT} waited ${{2:-all}} seconds $waited"
