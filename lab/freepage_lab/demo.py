@@ -54,7 +54,7 @@ STEPS = (
          "split", "arm64", "own", {"mib": "256"}, {"mib": "64", "rounds": "1"}),
     Step("pre-zeroing: populate, stock vs pre-zeroed",
          "prezero", "uml", "own", {"variants": "vanilla,on", "modes": "4k,kzero9"},
-         {"variants": "vanilla,on", "modes": "4k", "repeat": "1", "mem_mib": "1024",
+         {"variants": "vanilla,on", "modes": "4k,kzero9", "repeat": "1", "mem_mib": "1024",
           "populate_mib": "256"}),
 )
 
