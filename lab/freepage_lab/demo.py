@@ -54,6 +54,10 @@ STEPS = (
          {"variants": "stock,freepage", "modes": "4k", "mem_mib": "1024", "repeat": "1"}),
     Step("faster eager split on arm64 KVM: split work in guest instructions (stock / series)",
          "split", "arm64", "own", {"mib": "256"}, {"mib": "64", "rounds": "1"}),
+    Step("pre-zeroing: populate, stock vs pre-zeroed",
+         "prezero", "uml", "own", {"variants": "vanilla,on", "modes": "4k,kzero9"},
+         {"variants": "vanilla,on", "modes": "4k,kzero9", "repeat": "1", "mem_mib": "1024",
+          "populate_mib": "256"}),
 )
 
 

@@ -17,7 +17,7 @@ from . import paths
 from .shell import LabError, Shell
 
 BUSYBOX = Path("/bin/busybox")
-GUEST_PROGS = ("populate", "dirty", "churn", "pagefault")
+GUEST_PROGS = ("populate", "dirty", "churn", "pagefault", "cachewalk")
 # arm64 guests: Debian's busybox-static:arm64, unpacked from the .deb (the
 # package is not Multi-Arch, so it cannot be installed beside the host's)
 ARM64_BUSYBOX_PACKAGE = "busybox-static:arm64"

@@ -60,6 +60,9 @@ def registry() -> dict[str, Scenario]:
     from .idle import Idle
     from .migrate import Migrate
     from .pagefault import Pagefault
+    from .prezero import Prezero
+    from .prezero_cost import PrezeroCost
+    from .prezero_footprint import PrezeroFootprint
     from .realloc import Realloc
     from .reclaim import ReclaimScenario
     from .split import Split
@@ -70,7 +73,7 @@ def registry() -> dict[str, Scenario]:
 
     return {s.name: s for s in (ReclaimScenario(), Realloc(), Migrate(), Zeroskip(), Zeromix(),
                                 Zerobench(), Zerofirst(), Split(), Churn(), Pagefault(),
-                                Idle())}
+                                Idle(), Prezero(), PrezeroCost(), PrezeroFootprint())}
 
 
 def get(name: str) -> Scenario:

@@ -1,0 +1,395 @@
+"""prezero: populate from a warm pool of pre-zeroed pages (issue 12).
+
+Variants, interleaved per repetition (ABBA order) in one run:
+  vanilla  stock 6.12
+  off      the series, pre-zeroing disabled (/sys/kernel/mm/prezero/enabled=0)
+  on       the series, pre-zeroing enabled; the pool is warm: the guest
+           waits until kprezerod has stopped marking pages before it
+           populates
+  limit    the series + kernel/bench/unsafe-no-user-page-zeroing.patch:
+           user pages faulted in by `populate` are never cleared, the
+           fastest a populate can be (UNSAFE, test-only)
+
+Per mode, every variant does the same: dirty `populate_mib` (fill 0xa5)
+and free it, wait until the pgzero_marked_prezero and
+pgzero_prezero_hugetlb counters have not moved for `stable_s` seconds
+(stock/off/limit: just that idle time; on: the pool is cleared meanwhile,
+at `warm_cpu_percent` of a CPU), then time the measured run with the
+pgzero_* vmstat counters read around it.
+
+Modes: 4k, thp, hugetlb (populate --mode; hugetlb from a static pool of
+`populate_mib` set up before the dirtying run, which kprezerod clears with
+its hugetlb knob on) and kzero<order> (the kernels of a run with such a
+mode carry kernel/bench/page-zeroed-bench.patch: `zero <order> <mib>`
+allocates __GFP_ZERO blocks inside the kernel, no page faults; the limit
+kernel clears those like off, so limit is skipped there).
+
+The guests have no balloon: no free page reporting device, so pre-zeroing
+may take every order from min_order (default pageblock_order) up.
+Kernels: --fragment bench.config (no debug verification, -O2), as the
+numbers are wanted; QEMU runs TCG with -icount shift=0,sleep=off unless
+icount=false, so guest ns are executed instructions there.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..context import RunContext
+from ..guest import Guest
+from ..initramfs import BOOTED, EVENT
+from ..runners import GuestConfig
+from ..shell import LabError
+from ..stats import fmt_ratio, median_ratio, summarise
+from . import Outcome, Scenario, abba, table
+from .zerobench import BENCH_PATCH, BENCH_PROG, RUN
+from .zeroskip import LIMIT_PATCH
+
+PREZERO_DIR = "/sys/kernel/mm/prezero"
+COUNTERS = ("pgzero_marked_prezero", "pgzero_prezero_aborted", "pgzero_prezero_hugetlb",
+            "pgzero_skipped", "pgzero_missed", "pgzero_merge_lost", "pgzero_verify_failed")
+VARIANTS = ("vanilla", "off", "on", "limit")
+PLATFORM_MODES = {"uml": ("4k", "kzero9", "kzero0"), "qemu": ("thp", "4k", "hugetlb")}
+POPULATE_MODES = ("4k", "thp", "hugetlb")
+HUGE_PAGE_MIB = 2
+# below this growth (pages per second) the pool counts as warm: 1 MiB/s
+SETTLED_PAGES_PER_S = 256
+EVENT_RE = re.compile(rf"^{EVENT} (\S+) (\S+)((?: \S+ -?\d+)*)\s*$")
+
+
+def shell_helpers(stable_s: int = 3) -> str:
+    """Shell functions of every pre-zeroing guest script.
+
+    vm: the counters on one line; ev NAME MODE: an event line with them;
+    knob NAME VALUE: set a pre-zeroing knob if the kernel has it;
+    prezero_wait TIMEOUT: until the thread's counters grew by less than
+    SETTLED_PAGES_PER_S a second for `stable_s` seconds in a row (the poll
+    itself forks and frees a few dirty pages each second, which the thread
+    clears, so they never stand quite still; without a thread: after that
+    idle time), prints "<EVENT> waited <mode> seconds <n>".
+    """
+    counters = "|".join(COUNTERS)
+    return f"""vm() {{ grep -E '^({counters}) ' /proc/vmstat | tr '\\n' ' '; }}
+ev() {{ echo "{EVENT} $1 $2 $(vm)"; }}
+knob() {{ if [ -w {PREZERO_DIR}/$1 ]; then echo $2 > {PREZERO_DIR}/$1; fi; }}
+prezero_wait() {{
+\tprev=-1; stable=0; waited=0
+\twhile [ $stable -lt {stable_s} ] && [ $waited -lt $1 ]; do
+\t\tsleep 1; waited=$((waited + 1))
+\t\tcur=$(awk '/^pgzero_(marked_prezero|prezero_hugetlb) /{{s += $2}} END{{print s + 0}}' \\
+\t\t\t/proc/vmstat)
+\t\tif [ $((cur - prev)) -lt {SETTLED_PAGES_PER_S} ]; then stable=$((stable + 1))
+\t\telse stable=0; fi
+\t\tprev=$cur
+\tdone
+\techo "{EVENT} waited ${{2:-all}} seconds $waited"
+}}
+"""
+
+
+def parse_events(lines: Sequence[str]) -> list[tuple[str, str, dict[str, int]]]:
+    """(name, mode, counters) of every event line, in order."""
+    out = []
+    for line in lines:
+        m = EVENT_RE.match(line.strip())
+        if not m:
+            continue
+        words = m.group(3).split()
+        out.append((m.group(1), m.group(2),
+                    {k: int(v) for k, v in zip(words[::2], words[1::2])}))
+    return out
+
+
+def delta(events: Sequence[tuple[str, str, dict[str, int]]], mode: str, a: str,
+          b: str) -> dict[str, int]:
+    """Counter deltas between events a and b of one mode (empty if either is missing)."""
+    got = {name: c for name, m, c in events if m == mode}
+    if a not in got or b not in got:
+        return {}
+    return {k: got[b][k] - got[a].get(k, 0) for k in got[b]}
+
+
+@dataclass
+class PrezeroParams:
+    mem_mib: int = 2048
+    populate_mib: int = 1024
+    # empty: the platform's default (PLATFORM_MODES)
+    modes: tuple[str, ...] = ()
+    variants: tuple[str, ...] = VARIANTS
+    repeat: int = 5
+    # -1: the kernel's default (pageblock_order)
+    min_order: int = -1
+    # the pool is warmed at this CPU share, then set back to the default
+    warm_cpu_percent: int = 100
+    stable_s: int = 3
+    wait_timeout_s: int = 600
+    icount: bool = True
+    timeout_s: int = 3600
+
+
+def kzero_order(mode: str) -> int | None:
+    m = re.fullmatch(r"kzero(\d+)", mode)
+    return int(m.group(1)) if m else None
+
+
+def check_params(p: PrezeroParams, platform: str) -> tuple[str, ...]:
+    modes = p.modes or PLATFORM_MODES.get(platform, ())
+    unknown = [v for v in p.variants if v not in VARIANTS]
+    if unknown or not p.variants:
+        raise LabError(f"prezero: unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    for mode in modes:
+        order = kzero_order(mode)
+        if mode not in POPULATE_MODES and (order is None or order > 10):
+            raise LabError(f"prezero: unknown mode {mode!r}: 4k, thp, hugetlb, kzero<0..10>")
+        if platform == "uml" and mode in ("thp", "hugetlb"):
+            raise LabError(f"prezero: UML has no {mode}")
+    if not modes:
+        raise LabError("prezero: no modes")
+    if p.populate_mib >= p.mem_mib or p.populate_mib % HUGE_PAGE_MIB or p.repeat < 1:
+        raise LabError("prezero: populate_mib must be even and below mem_mib; repeat >= 1")
+    return modes
+
+
+def mode_lines(p: PrezeroParams, mode: str, variant: str) -> list[str]:
+    order = kzero_order(mode)
+    if order is not None and variant == "limit":
+        return []  # the limit patch only spares user pages
+    mib = p.populate_mib
+    lines = [f"ev start {mode}"]
+    if mode == "hugetlb":
+        pages = mib // HUGE_PAGE_MIB
+        lines += [f"echo {pages} > /proc/sys/vm/nr_hugepages",
+                  f"[ \"$(cat /proc/sys/vm/nr_hugepages)\" = {pages} ] || "
+                  f"{{ echo \"prezero: only $(cat /proc/sys/vm/nr_hugepages) of {pages} huge "
+                  "pages\" >&2; exit 5; }"]
+    dirty_mode = "4k" if order is not None else mode
+    lines += [f"populate --mib {mib} --mode {dirty_mode} --fill 0xa5 --tag dirty",
+              f"knob cpu_percent {p.warm_cpu_percent}",
+              f"prezero_wait {p.wait_timeout_s} {mode}",
+              "knob cpu_percent 10",
+              f"ev warm {mode}"]
+    if order is None:
+        # exit 1 = non-zero bytes: the limit kernel's by design, judged on the host
+        lines.append(f"populate --mib {mib} --mode {mode} --verify --tag measure || [ $? -eq 1 ]")
+    else:
+        lines.append(f"bench zero {order} {mib}")
+    lines.append(f"ev measured {mode}")
+    if mode == "hugetlb":
+        lines.append("echo 0 > /proc/sys/vm/nr_hugepages")
+    return lines
+
+
+def guest_script(p: PrezeroParams, modes: Sequence[str], variant: str) -> str:
+    lines = [
+        shell_helpers(p.stable_s),
+        "bench() {",
+        "\tdmesg -c > /dev/null",
+        f"\techo \"$*\" > {RUN} || {{ echo \"prezero: '$*' failed\" >&2; exit 4; }}",
+        f"\tdmesg -c | sed -n 's/^.*\\({{\"prog\":\"{BENCH_PROG}\".*}}\\)[[:space:]]*$/\\1/p'",
+        "}",
+        "[ -w /sys/kernel/mm/transparent_hugepage/enabled ] && "
+        "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled || true",
+    ]
+    if variant == "on":
+        lines += [f"[ -d {PREZERO_DIR} ] || {{ echo 'prezero: no {PREZERO_DIR}' >&2; exit 3; }}",
+                  f"[ {p.min_order} -lt 0 ] || knob min_order {p.min_order}",
+                  "knob enabled 1"]
+    for mode in modes:
+        lines += mode_lines(p, mode, variant)
+    lines.append("knob enabled 0")
+    return "\n".join(lines) + "\n"
+
+
+def kernel_for(ctx: RunContext, variant: str, modes: Sequence[str]) -> Path:
+    """The variant's kernel; with the in-kernel benchmark if a kzero mode needs it."""
+    patches: tuple[str, ...] = (BENCH_PATCH,) if any(kzero_order(m) is not None
+                                                      for m in modes) else ()
+    if variant == "limit":
+        patches += (LIMIT_PATCH,)
+    return ctx.kernel(patched=variant != "vanilla", extra_patches=patches)
+
+
+def icount_args(ctx: RunContext, icount: bool) -> list[str]:
+    if ctx.platform != "qemu" or not icount:
+        return []
+    accel = getattr(ctx.runner(), "accel", None)
+    if accel != "tcg":
+        raise LabError(f"prezero: -icount needs QEMU TCG, not {accel}: add --accel tcg "
+                       "or --param icount=false")
+    return ["-icount", "shift=0,sleep=off"]
+
+
+def kernel_warnings(guest: Guest) -> list[str]:
+    """WARNING lines after boot (KUnit suites warn on purpose before init)."""
+    booted = next((i for i, ln in enumerate(guest.lines) if ln.text.startswith(BOOTED)), 0)
+    return [ln.text for ln in guest.lines[booted:] if "WARNING" in ln.text]
+
+
+@dataclass
+class Measure:
+    mode: str
+    ms: float
+    counters: dict[str, int]
+    marked: int
+    nonzero_bytes: int
+
+
+class Prezero(Scenario):
+    name = "prezero"
+    Params = PrezeroParams
+
+    def _guest(self, ctx: RunContext, p: PrezeroParams, modes: Sequence[str], variant: str,
+               rep: int, extra: list[str]) -> list[Measure]:
+        cfg = GuestConfig(kernel=kernel_for(ctx, variant, modes),
+                          initrd=ctx.initrd(f"prezero-{ctx.platform}-{variant}",
+                                            guest_script(p, modes, variant)),
+                          mem_mib=p.mem_mib, balloon=False, extra_args=list(extra))
+        tag = f"prezero-{ctx.platform}-{variant}-{rep}"
+        guest = ctx.runner().guest(tag, cfg, ctx.log(tag))
+        if ctx.shell.dry_run:
+            guest.start()
+            return []
+        with guest:
+            rc = guest.wait_exit(p.timeout_s)
+        if rc != 0:
+            raise guest.error(f"prezero: guest script failed (exit {rc})")
+        warnings = kernel_warnings(guest)
+        if warnings:
+            raise guest.error(f"prezero: kernel warned: {warnings[0]}")
+        events = parse_events([ln.text for ln in guest.lines])
+        pops = [r for r in guest.json_records("populate") if r["tag"] == "measure"]
+        bad = [r for r in pops if r["nonzero_bytes"] and variant != "limit"]
+        if bad:
+            raise guest.error(f"prezero: {bad[0]['nonzero_bytes']} non-zero bytes in a "
+                              f"{bad[0]['mode']} populate: a page called zero was not")
+        zeros = [r for r in guest.json_records(BENCH_PROG) if r.get("test") == "zero"]
+        out = []
+        for mode in modes:
+            order = kzero_order(mode)
+            if order is None:
+                rec = next(r for r in pops if r["mode"] == mode)
+                ms, nonzero = rec["populate_ns"] / 1e6, rec["nonzero_bytes"]
+            elif variant == "limit":
+                continue
+            else:
+                krec = next(r for r in zeros if int(r["order"]) == order)
+                ms, nonzero = krec["alloc_total_ns"] / 1e6, 0
+            warm = delta(events, mode, "start", "warm")
+            out.append(Measure(mode, ms, delta(events, mode, "warm", "measured"),
+                               warm.get("pgzero_marked_prezero", 0)
+                               + warm.get("pgzero_prezero_hugetlb", 0), nonzero))
+        return out
+
+    def run(self, ctx: RunContext, params: PrezeroParams) -> Outcome:
+        if ctx.platform not in PLATFORM_MODES:
+            raise LabError(f"prezero runs on {' or '.join(PLATFORM_MODES)}, not {ctx.platform}")
+        modes = check_params(params, ctx.platform)
+        extra = icount_args(ctx, params.icount)
+        if "bench.config" not in ctx.extra_fragments:
+            print("prezero: no --fragment bench.config: the series' debug check reads every "
+                  "page it skips clearing; numbers are not representative", flush=True)
+        runs: dict[str, list[Measure]] = {v: [] for v in params.variants}
+        for rep in range(params.repeat):
+            for variant in abba(params.variants, rep):
+                runs[variant] += self._guest(ctx, params, modes, variant, rep, extra)
+        if ctx.shell.dry_run:
+            return Outcome(self.name, {}, "(dry run)")
+        unit = "instructions (1e-6)" if extra else "ms"
+        data = summarise_run(params, modes, runs)
+        data.update(platform=ctx.platform, time_unit=unit)
+        ctx.save(f"prezero-{ctx.platform}", data)
+        plots = [str(plot(data, ctx.run_dir / f"prezero-{ctx.platform}.png"))]
+        return Outcome(self.name, data, render(data, modes, params.variants), plots)
+
+
+def summarise_run(p: PrezeroParams, modes: Sequence[str],
+                  runs: dict[str, list[Measure]]) -> dict[str, Any]:
+    data: dict[str, Any] = {"params": asdict(p), "modes": {}}
+    for mode in modes:
+        entry: dict[str, Any] = {}
+        samples = {v: [m.ms for m in runs[v] if m.mode == mode] for v in p.variants}
+        for v in p.variants:
+            ms = [m for m in runs[v] if m.mode == mode]
+            if not ms:
+                continue
+            tot = {k: sum(m.counters.get(k, 0) for m in ms) for k in COUNTERS}
+            marked = sum(m.marked for m in ms)
+            skipped = tot["pgzero_skipped"]
+            entry[v] = {"ms": summarise(samples[v]).as_dict(), "raw_ms": samples[v],
+                        "marked_while_warming": marked, "during_measure": tot,
+                        "nonzero_bytes": sum(m.nonzero_bytes for m in ms),
+                        # upper bound: with target_percent=100 the pool is all free
+                        # memory, more than one run consumes (see docs/results.md)
+                        "unconsumed_share": (marked - skipped) / marked if marked else None}
+        for key, a, b in (("speedup_on_over_vanilla", "on", "vanilla"),
+                          ("speedup_off_over_vanilla", "off", "vanilla"),
+                          ("on_over_limit", "limit", "on")):
+            if samples.get(a) and samples.get(b):
+                # median(b) / median(a): stock time / on time is the speed-up
+                entry[key] = median_ratio(samples[a], samples[b]).as_dict()
+        data["modes"][mode] = entry
+    return data
+
+
+def render(data: dict[str, Any], modes: Sequence[str], variants: Sequence[str]) -> str:
+    rows: list[list[object]] = []
+    for mode in modes:
+        entry = data["modes"][mode]
+        for v in variants:
+            if v not in entry:
+                continue
+            e, s = entry[v], entry[v]["ms"]
+            c = e["during_measure"]
+            un = e["unconsumed_share"]
+            rows.append([mode, v, f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}]",
+                         e["marked_while_warming"], c["pgzero_skipped"], c["pgzero_missed"],
+                         c["pgzero_merge_lost"], c["pgzero_prezero_aborted"],
+                         "" if un is None else f"{un * 100:.0f}%", s["n"]])
+        for key, label in (("speedup_on_over_vanilla", "stock/on"),
+                           ("speedup_off_over_vanilla", "stock/off"),
+                           ("on_over_limit", "on/limit")):
+            if key in entry:
+                rows.append([mode, label, fmt_ratio(entry[key]), "", "", "", "", "", "", ""])
+    unit = data.get("time_unit", "ms")
+    return (f"prezero ({data.get('platform')}, {data['params']['populate_mib']} MiB; time in "
+            f"{unit}, median [min-max]; counters summed over the runs: marked = pages "
+            "pre-zeroed while warming, skipped/missed/merge_lost/aborted during the measured "
+            "run; unconsumed = (marked - skipped) / marked, an upper bound of waste)\n"
+            + table(["mode", "variant", "time", "marked", "skipped", "missed", "merge_lost",
+                     "aborted", "unconsumed", "n"], rows))
+
+
+def plot(data: dict[str, Any], dest: Path) -> Path:
+    """Median time per mode and variant with min-max bars, normalised to stock."""
+    from ..plot import _pyplot
+
+    plt = _pyplot()
+    modes = list(data["modes"])
+    variants = [v for v in VARIANTS if any(v in data["modes"][m] for m in modes)]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / max(len(variants), 1)
+    for i, v in enumerate(variants):
+        xs, ys, lo, hi = [], [], [], []
+        for j, m in enumerate(modes):
+            e = data["modes"][m]
+            if v not in e or "vanilla" not in e:
+                continue
+            base = e["vanilla"]["ms"]["median"]
+            s = e[v]["ms"]
+            xs.append(j + i * width)
+            ys.append(s["median"] / base)
+            lo.append((s["median"] - s["min"]) / base)
+            hi.append((s["max"] - s["median"]) / base)
+        ax.bar(xs, ys, width, yerr=[lo, hi], label=v, capsize=2)
+    ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(modes))], modes)
+    ax.set_ylabel("time / stock (median, min-max)")
+    ax.set_title(f"pre-zeroing: {data['params']['populate_mib']} MiB on {data.get('platform')}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(dest, dpi=110)
+    plt.close(fig)
+    return dest

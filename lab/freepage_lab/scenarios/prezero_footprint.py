@@ -1,0 +1,129 @@
+"""prezero_footprint: the host footprint of a reporting guest, pre-zeroing off vs on.
+
+UML + vhost-user-balloon (free page reporting on, the daemon discards
+what the guest reports), the series (--fragment bench.config). Per boot:
+dirty `dirty_mib` and free it, flush reporting, settle `settle_s`, then
+`window_s` seconds with pre-zeroing off and `window_s` seconds with it on
+(min_order 0: every order below the reporting order, the only ones it may
+take while a reporting device is registered). The host samples the
+guest's footprint (allocated blocks of UML's memory file); growth over
+each window is its last sample minus its first. Pre-zeroing must leave
+reported blocks alone, so the "on" window must not grow more than the
+"off" one. Repeated `repeat` times (one boot each) for the spread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..context import RunContext
+from ..footprint import Sampler, value_at
+from ..initramfs import EVENT
+from ..knobs import FLUSH
+from ..runners import GuestConfig
+from ..shell import LabError
+from ..stats import summarise
+from . import Outcome, Scenario, table
+from .prezero import kernel_warnings, parse_events, shell_helpers
+
+MIB = 1 << 20
+
+
+@dataclass
+class PrezeroFootprintParams:
+    mem_mib: int = 1024
+    dirty_mib: int = 512
+    settle_s: int = 10
+    window_s: int = 60
+    min_order: int = 0
+    repeat: int = 3
+    timeout_s: int = 600
+
+
+def guest_script(p: PrezeroFootprintParams) -> str:
+    return "\n".join([
+        shell_helpers(),
+        "echo 1000 > /proc/sys/vm/percpu_pagelist_high_fraction",
+        f"populate --mib {p.dirty_mib} --mode 4k --fill 0xa5 --tag dirty",
+        f"[ -w {FLUSH} ] && echo 1000000 > {FLUSH} || true",
+        f"sleep {p.settle_s}",
+        f"knob min_order {p.min_order}",
+        "ev off all",
+        f"sleep {p.window_s}",
+        "ev on all",
+        "knob enabled 1",
+        f"sleep {p.window_s}",
+        "ev end all",
+        "knob enabled 0",
+    ]) + "\n"
+
+
+@dataclass
+class Window:
+    off_growth_mib: float
+    on_growth_mib: float
+    footprint_mib: float
+    marked_on: int
+    marked_reported: int
+
+
+class PrezeroFootprint(Scenario):
+    name = "prezero_footprint"
+    Params = PrezeroFootprintParams
+
+    def _guest(self, ctx: RunContext, p: PrezeroFootprintParams, rep: int) -> Window | None:
+        cfg = GuestConfig(kernel=ctx.kernel(patched=True),
+                          initrd=ctx.initrd("prezero-footprint", guest_script(p)),
+                          mem_mib=p.mem_mib)
+        tag = f"prezero-footprint-{rep}"
+        host = ctx.balloon_host(cfg, tag)
+        runner = ctx.balloon_runner(cfg, zeroing=True)
+        guest = runner.guest(tag, cfg, ctx.log(tag))
+        if ctx.shell.dry_run:
+            with host:
+                guest.start()
+            return None
+        with host, guest, Sampler(lambda: runner.footprint_bytes(guest)) as sampler:
+            marks = []
+            idx = 0
+            for name in ("off", "on", "end"):
+                idx, line, _ = guest.wait_for(rf"^{EVENT} {name} all", p.timeout_s, idx)
+                marks.append(line.t)
+            rc = guest.wait_exit(p.timeout_s)
+        if rc != 0:
+            raise guest.error(f"prezero_footprint: guest script failed (exit {rc})")
+        warnings = kernel_warnings(guest)
+        if warnings:
+            raise guest.error(f"prezero_footprint: kernel warned: {warnings[0]}")
+        events = {name: c for name, _, c in parse_events([ln.text for ln in guest.lines])}
+        fp = [value_at(sampler.samples, t) / MIB for t in marks]
+        return Window(fp[1] - fp[0], fp[2] - fp[1], fp[2],
+                      events["end"]["pgzero_marked_prezero"]
+                      - events["on"]["pgzero_marked_prezero"],
+                      events["end"].get("pgzero_marked_reported", 0))
+
+    def run(self, ctx: RunContext, params: PrezeroFootprintParams) -> Outcome:
+        if ctx.platform != "uml":
+            raise LabError("prezero_footprint runs on UML with vhost-user-balloon")
+        got = [self._guest(ctx, params, rep) for rep in range(params.repeat)]
+        ws = [w for w in got if w is not None]
+        if ctx.shell.dry_run or not ws:
+            return Outcome(self.name, {}, "(dry run)")
+        data: dict[str, Any] = {
+            "params": asdict(params),
+            "off_growth_mib": summarise([w.off_growth_mib for w in ws]).as_dict(),
+            "on_growth_mib": summarise([w.on_growth_mib for w in ws]).as_dict(),
+            "footprint_mib": summarise([w.footprint_mib for w in ws]).as_dict(),
+            "pgzero_marked_prezero_on": [w.marked_on for w in ws],
+            "raw": [asdict(w) for w in ws]}
+        ctx.save("prezero-footprint-uml", data)
+        rows = [[i, f"{w.off_growth_mib:+.1f}", f"{w.on_growth_mib:+.1f}",
+                 f"{w.footprint_mib:.1f}", w.marked_on, w.marked_reported]
+                for i, w in enumerate(ws)]
+        text = (f"prezero_footprint (UML + vhost-user-balloon, reporting on; {params.window_s} s "
+                f"off then {params.window_s} s on, min_order {params.min_order}; host footprint "
+                "growth per window, MiB; marked = pages pre-zeroed in the on window)\n"
+                + table(["boot", "off growth", "on growth", "footprint at end", "marked",
+                         "reported (boot)"], rows))
+        return Outcome(self.name, data, text)

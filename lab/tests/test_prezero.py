@@ -1,0 +1,105 @@
+"""Pre-zeroing on a real guest: every pre-zeroed page consumed is verified zero.
+
+UML, the series with its debug verification (CONFIG_DEBUG_PAGE_ZEROED: the
+allocator reads every page it hands out as known zero and counts a non-zero
+one in pgzero_verify_failed), no balloon (no reporting device, so every
+order may be pre-zeroed). The guest dirties memory and frees it, lets
+kprezerod clear it, then populates with every byte checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from freepage_lab import kernel, kunit
+from freepage_lab.context import RunContext
+from freepage_lab.initramfs import EVENT
+from freepage_lab.runners import GuestConfig
+from freepage_lab.scenarios.prezero import PREZERO_DIR, delta, kernel_warnings, parse_events, shell_helpers
+from freepage_lab.shell import Shell
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not kernel.Series.load().names, reason="kernel series is empty"),
+]
+
+MIB = 512
+PAGES = MIB * 256
+# knob values the kernel must refuse (and keep the old value)
+BAD_KNOBS = (("min_order", "11"), ("cpu_percent", "0"), ("target_percent", "101"),
+             ("nocache", "2"), ("enabled", "2"))
+
+
+def script(enable: bool) -> str:
+    knobs = "\n".join(
+        f"old=$(cat {PREZERO_DIR}/{k}); "
+        f"if echo {v} > {PREZERO_DIR}/{k} 2>/dev/null; then r=accepted; else r=refused; fi; "
+        f"echo \"{EVENT} knob {k} {v} $r $old $(cat {PREZERO_DIR}/{k})\""
+        for k, v in BAD_KNOBS)
+    return f"""{shell_helpers(3)}
+[ -d {PREZERO_DIR} ] || {{ echo 'no {PREZERO_DIR}' >&2; exit 3; }}
+echo 1000 > /proc/sys/vm/percpu_pagelist_high_fraction
+{knobs}
+ev start all
+populate --mib {MIB} --mode 4k --fill 0xa5 --tag dirty
+ev dirtied all
+echo 0 > {PREZERO_DIR}/min_order
+echo {1 if enable else 0} > {PREZERO_DIR}/enabled
+prezero_wait 180 all
+ev warm all
+populate --mib {MIB} --mode 4k --verify --tag measure
+ev measured all
+echo 0 > {PREZERO_DIR}/enabled
+"""
+
+
+@dataclass
+class Run:
+    rc: int
+    lines: list[str]
+    warnings: list[str]
+    populates: list[dict]
+
+
+def boot(tmp_path: Path, enable: bool) -> Run:
+    ctx = RunContext(shell=Shell(), run_dir=tmp_path, platform="uml", patched=True)
+    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("prezero", script(enable)),
+                      mem_mib=1024, balloon=False)
+    with ctx.runner().guest("prezero", cfg, ctx.log("prezero")) as g:
+        rc = g.wait_exit(600)
+    return Run(rc, [ln.text for ln in g.lines], kernel_warnings(g), g.json_records("populate"))
+
+
+def check(run: Run) -> dict[str, int]:
+    """The assertions; returns the counter deltas for the record."""
+    assert run.rc == 0, run.lines[-20:]
+    res = kunit.parse(run.lines)
+    assert "page_prezero" in res.suites, res.suites
+    assert res.suites["page_prezero"]["fail"] == 0 and not res.failed, (res.failed, res.suites)
+    assert res.suites["page_prezero"]["pass"] > 0, res.suites
+    assert not run.warnings, run.warnings
+    knobs = [ln.split()[2:] for ln in run.lines if ln.startswith(f"{EVENT} knob ")]
+    assert len(knobs) == len(BAD_KNOBS), knobs
+    for name, value, result, old, now in knobs:
+        assert (result, now) == ("refused", old), f"{name}={value}: {result}, {old} -> {now}"
+    events = parse_events(run.lines)
+    warm = delta(events, "all", "dirtied", "warm")
+    used = delta(events, "all", "warm", "measured")
+    total = delta(events, "all", "start", "measured")
+    measured = [r for r in run.populates if r["tag"] == "measure"]
+    assert len(measured) == 1 and measured[0]["verified"], run.populates
+    assert measured[0]["nonzero_bytes"] == 0, measured
+    assert total["pgzero_verify_failed"] == 0, total
+    assert warm["pgzero_marked_prezero"] > 0, f"nothing pre-zeroed: {warm}"
+    # the populate's zeroing allocations consume the pool
+    assert used["pgzero_skipped"] >= PAGES // 2, f"pool not consumed: {used}"
+    return {**{f"warm.{k}": v for k, v in warm.items()},
+            **{f"measure.{k}": v for k, v in used.items()}}
+
+
+def test_prezeroed_pages_are_consumed_and_verified_zero(tmp_path):
+    counts = check(boot(tmp_path, enable=True))
+    print(counts)

@@ -1,0 +1,164 @@
+"""prezero scenarios: guest scripts, event parsing, summaries, the dry run."""
+
+import shutil
+import subprocess
+
+import pytest
+
+from freepage_lab import cli
+from freepage_lab.initramfs import EVENT
+from freepage_lab.scenarios import prezero, prezero_cost, prezero_footprint
+from freepage_lab.shell import LabError
+
+
+def sh_syntax_ok(script: str) -> None:
+    sh = shutil.which("busybox") or shutil.which("sh")
+    assert sh
+    argv = [sh, "sh", "-n"] if sh.endswith("busybox") else [sh, "-n"]
+    subprocess.run([*argv, "/dev/stdin"], input=script.encode(), check=True)
+
+
+@pytest.mark.parametrize("variant", prezero.VARIANTS)
+def test_guest_script_dirties_waits_then_measures(variant):
+    p = prezero.PrezeroParams(populate_mib=256)
+    script = prezero.guest_script(p, ("4k", "hugetlb", "kzero9"), variant)
+    sh_syntax_ok(script)
+    lines = script.splitlines()
+    # only "on" enables the thread
+    assert ("knob enabled 1" in lines) == (variant == "on")
+    for mode in ("4k", "hugetlb"):
+        i = lines.index(f"populate --mib 256 --mode {mode} --fill 0xa5 --tag dirty")
+        assert lines[i + 2] == f"prezero_wait 600 {mode}"
+        assert lines[i + 5].startswith(f"populate --mib 256 --mode {mode} --verify --tag measure")
+    assert "echo 128 > /proc/sys/vm/nr_hugepages" in lines
+    # the limit patch spares user pages only: no in-kernel run for it
+    assert ("bench zero 9 256" in lines) == (variant != "limit")
+
+
+def test_wait_helper_stops_when_counters_stand_still():
+    helpers = prezero.shell_helpers(stable_s=2)
+    sh_syntax_ok(helpers)
+    assert "[ $stable -lt 2 ]" in helpers and "-lt 256 ]" in helpers
+    assert "pgzero_(marked_prezero|prezero_hugetlb)" in helpers
+
+
+def test_events_and_deltas():
+    lines = [f"{EVENT} start thp pgzero_marked_prezero 10 pgzero_skipped 5 ",
+             "noise",
+             f"{EVENT} warm thp pgzero_marked_prezero 262154 pgzero_skipped 5",
+             f"{EVENT} waited thp seconds 7",
+             f"{EVENT} measured thp pgzero_marked_prezero 262154 pgzero_skipped 262149"]
+    events = prezero.parse_events(lines)
+    assert [e[0] for e in events] == ["start", "warm", "waited", "measured"]
+    assert prezero.delta(events, "thp", "start", "warm")["pgzero_marked_prezero"] == 262144
+    assert prezero.delta(events, "thp", "warm", "measured") == {
+        "pgzero_marked_prezero": 0, "pgzero_skipped": 262144}
+    assert prezero.delta(events, "4k", "start", "warm") == {}
+
+
+def measures(variant: str, ms: list[float]) -> list[prezero.Measure]:
+    on = variant == "on"
+    return [prezero.Measure("thp", x, {"pgzero_skipped": 262144 if on else 0},
+                            300000 if on else 0, 0) for x in ms]
+
+
+def test_summary_has_ratios_and_the_unconsumed_share(tmp_path):
+    p = prezero.PrezeroParams(repeat=3)
+    runs = {"vanilla": measures("vanilla", [1000, 1100, 900]),
+            "off": measures("off", [1000, 1000, 1000]),
+            "on": measures("on", [100, 110, 90]),
+            "limit": measures("limit", [80, 85, 90])}
+    data = prezero.summarise_run(p, ("thp",), runs)
+    e = data["modes"]["thp"]
+    assert e["speedup_on_over_vanilla"]["ratio"] == pytest.approx(10.0)
+    assert e["on_over_limit"]["ratio"] == pytest.approx(100 / 85)
+    assert e["on"]["unconsumed_share"] == pytest.approx((900000 - 3 * 262144) / 900000)
+    assert e["vanilla"]["unconsumed_share"] is None
+    data.update(platform="qemu", time_unit="ms")
+    text = prezero.render(data, ("thp",), prezero.VARIANTS)
+    assert "stock/on" in text and "10.00x" in text and "on/limit" in text
+    png = prezero.plot(data, tmp_path / "p.png")
+    assert png.stat().st_size > 1000
+
+
+def test_params_are_checked():
+    with pytest.raises(LabError, match="UML has no thp"):
+        prezero.check_params(prezero.PrezeroParams(modes=("thp",)), "uml")
+    with pytest.raises(LabError, match="unknown mode"):
+        prezero.check_params(prezero.PrezeroParams(modes=("kzero11",)), "qemu")
+    with pytest.raises(LabError, match="unknown variants"):
+        prezero.check_params(prezero.PrezeroParams(variants=("fast",)), "qemu")
+    assert prezero.check_params(prezero.PrezeroParams(), "uml") == ("4k", "kzero9", "kzero0")
+
+
+def test_dry_run_builds_four_kernels_and_boots_no_balloon(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+    assert cli.main(["--dry-run", "run", "prezero", "--platform", "uml",
+                     "--fragment", "bench.config", "--param", "repeat=2"]) == 0
+    err = capsys.readouterr().err
+    assert "um-release-vanilla+bench+page-zeroed-bench" in err
+    assert "um-release-patched+bench+page-zeroed-bench+unsafe-no-user-page-zeroing" in err
+    boots = [ln for ln in err.splitlines() if " mem=2048M " in ln]
+    assert len(boots) == 8 and not any("virtio_uml.device" in b for b in boots)
+
+
+@pytest.mark.parametrize("variant", prezero_cost.VARIANTS)
+def test_cost_script_walks_while_the_pool_is_cleared(variant):
+    p = prezero_cost.PrezeroCostParams(walks=2, pool_mib=512)
+    script = prezero_cost.guest_script(p, variant, 16384)
+    sh_syntax_ok(script)
+    lines = script.splitlines()
+    assert ("knob enabled 1" in lines) == (variant != "off")
+    assert ("knob nocache 0" in lines) == (variant == "cached")
+    assert "knob cpu_percent" not in script  # the default rate
+    walks = [i for i, ln in enumerate(lines) if ln.startswith("cachewalk --kib 16384")]
+    assert len(walks) == 2
+    for i in walks:
+        assert lines[i - 2].startswith("populate --mib 512") and "window" in lines[i + 1]
+
+
+def test_cost_windows_give_cpu_share_and_marked_pages():
+    lines = [f"{EVENT} window 0 ticks 5 uptime_cs 1000 pgzero_marked_prezero 0 "
+             "pgzero_prezero_aborted 0",
+             '{"prog":"cachewalk"}',
+             f"{EVENT} window 0 ticks 25 uptime_cs 1200 pgzero_marked_prezero 262144 "
+             "pgzero_prezero_aborted 32"]
+    w = prezero_cost.windows(lines)
+    assert list(w) == [0] and w[0][1]["ticks"] - w[0][0]["ticks"] == 20
+
+
+def test_cost_summary_compares_with_off():
+    walk = prezero_cost.Walk
+    runs = {"off": [walk(10, 5, 0, 0, 0)] * 3, "nt": [walk(10.5, 5.02, 0.1, 900, 0)] * 3,
+            "cached": [walk(20, 6, 0.1, 900, 16)] * 3}
+    data = prezero_cost.summarise_run(prezero_cost.PrezeroCostParams(), 32768, runs)
+    assert data["variants"]["cached"]["refill_over_off"]["ratio"] == pytest.approx(2.0)
+    text = prezero_cost.render(data, prezero_cost.VARIANTS)
+    assert "2.00x" in text and "10.0%" in text
+
+
+def test_host_llc_size_is_read(tmp_path):
+    f = tmp_path / "size"
+    f.write_text("32768K\n")
+    assert prezero_cost.host_llc_kib(f) == 32768
+    f.write_text("8M\n")
+    assert prezero_cost.host_llc_kib(f) == 8192
+    assert prezero_cost.host_llc_kib(tmp_path / "missing") == 0
+
+
+def test_footprint_script_has_an_off_then_an_on_window():
+    p = prezero_footprint.PrezeroFootprintParams(window_s=30)
+    script = prezero_footprint.guest_script(p)
+    sh_syntax_ok(script)
+    lines = script.splitlines()
+    assert lines.index("ev off all") < lines.index("ev on all") < lines.index("knob enabled 1")
+    assert lines.index("knob enabled 1") < lines.index("ev end all")
+    assert lines.count("sleep 30") == 2 and "knob min_order 0" in lines
+
+
+def test_footprint_dry_run_uses_the_balloon_daemon(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+    assert cli.main(["--dry-run", "run", "prezero_footprint", "--platform", "uml",
+                     "--fragment", "bench.config", "--param", "repeat=1"]) == 0
+    err = capsys.readouterr().err
+    assert "vhost-user-balloon --socket-path" in err and "virtio_uml.device=" in err
