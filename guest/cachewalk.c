@@ -27,6 +27,8 @@
 #include <sys/mman.h>
 #include <time.h>
 
+#include "clock.h"
+
 #define LINE 64UL
 #define CHECK_EVERY 4096UL	/* steps between two looks at the clock */
 #define MAX_BURSTS 100000UL
@@ -44,14 +46,6 @@ struct line {
 	unsigned long next;
 	unsigned long pad[LINE / sizeof(unsigned long) - 1];
 };
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
 
 static int usage(const char *why)
 {

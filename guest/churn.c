@@ -23,6 +23,8 @@
 #include <sys/resource.h>
 #include <time.h>
 
+#include "clock.h"
+
 #define MIB (1024UL * 1024UL)
 #define PAGE 4096UL
 #define MAX_ITERATIONS 10000
@@ -34,22 +36,6 @@ struct options {
 	int thp;
 	const char *tag;
 };
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
-
-static long minor_faults(void)
-{
-	struct rusage ru;
-
-	getrusage(RUSAGE_SELF, &ru);
-	return ru.ru_minflt;
-}
 
 static int usage(const char *why)
 {

@@ -21,24 +21,10 @@
 #include <sys/resource.h>
 #include <time.h>
 
+#include "clock.h"
+
 #define MIB (1024UL * 1024UL)
 #define PAGE 4096UL
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
-
-static long minor_faults(void)
-{
-	struct rusage ru;
-
-	getrusage(RUSAGE_SELF, &ru);
-	return ru.ru_minflt;
-}
 
 static int usage(const char *why)
 {

@@ -27,6 +27,8 @@
 #include <sys/resource.h>
 #include <time.h>
 
+#include "clock.h"
+
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
@@ -50,14 +52,6 @@ struct options {
 	const char *tag;
 };
 
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
-
 static uint64_t cpu_ns(void)
 {
 	struct rusage ru;
@@ -65,14 +59,6 @@ static uint64_t cpu_ns(void)
 	getrusage(RUSAGE_SELF, &ru);
 	return ((uint64_t)ru.ru_utime.tv_sec + (uint64_t)ru.ru_stime.tv_sec) * 1000000000ULL +
 	       ((uint64_t)ru.ru_utime.tv_usec + (uint64_t)ru.ru_stime.tv_usec) * 1000ULL;
-}
-
-static long minor_faults(void)
-{
-	struct rusage ru;
-
-	getrusage(RUSAGE_SELF, &ru);
-	return ru.ru_minflt;
 }
 
 static int usage(const char *why)
