@@ -87,9 +87,10 @@ def guest_script(p: Plan, report: bool = True) -> str:
     marked = vmstat("pgzero_marked_reported")
     features = knobs.VIRTIO_FEATURES.format(dev="$dev")
     free = [
-        "rm /tmp/fill",
+        # before the free: the series' own pass may report it before the flush
         f"m0=$({marked})",
-        f"echo 1000000 > {knobs.FLUSH}",
+        "rm /tmp/fill",
+        knobs.flush_cmd(),
         f"m1=$({marked})",
         f"echo \"{EVENT} freed marked_reported=$((m1 - m0))\"",
     ] if report else ["rm /tmp/fill", f"echo \"{EVENT} freed\""]

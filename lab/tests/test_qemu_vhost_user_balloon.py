@@ -41,7 +41,7 @@ def guest_script() -> str:
         f"echo \"{EVENT} filled\"",
         "read go",
         "rm /tmp/fill",
-        f"echo 1000000 > {knobs.FLUSH}",
+        knobs.flush_cmd(),
         f"echo \"{EVENT} freed\"",
         "read done",
     ]) + "\n"

@@ -35,7 +35,7 @@ from typing import Any
 
 from ..context import RunContext
 from ..initramfs import BOOTED
-from ..knobs import FLUSH
+from ..knobs import flush_cmd
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import median_ratio, quantile, summarise
@@ -99,7 +99,7 @@ def guest_script(p: ZeromixParams, platform: str) -> str:
         lines.append(f"echo {fraction} > {PCP_HIGH_FRACTION}")
     lines.append("snap -1 boot")
     if p.initial_flush:
-        lines += [f"echo 1000000 > {FLUSH}", "snap -1 flushed"]
+        lines += [flush_cmd(), "snap -1 flushed"]
     lines += [
         "i=0",
         f"while [ $i -lt {p.cycles} ]; do",
