@@ -162,3 +162,11 @@ def test_footprint_dry_run_uses_the_balloon_daemon(capsys, tmp_path, monkeypatch
                      "--fragment", "bench.config", "--param", "repeat=1"]) == 0
     err = capsys.readouterr().err
     assert "vhost-user-balloon --socket-path" in err and "virtio_uml.device=" in err
+
+
+def test_footprint_events_carry_the_reported_counter():
+    # the footprint table's "reported" column reads it from the end event
+    script = prezero_footprint.guest_script(prezero_footprint.PrezeroFootprintParams())
+    assert "pgzero_marked_reported" in script
+    events = prezero.parse_events(["FREEPAGE-EVENT end all pgzero_marked_reported 7"])
+    assert events[0][2]["pgzero_marked_reported"] == 7
