@@ -4,7 +4,9 @@ UML, the series with its debug verification (CONFIG_DEBUG_PAGE_ZEROED: the
 allocator reads every page it hands out as known zero and counts a non-zero
 one in pgzero_verify_failed), no balloon (no reporting device, so every
 order may be pre-zeroed). The guest dirties memory and frees it, lets
-kprezerod clear it, then populates with every byte checked.
+kprezerod clear it, then populates with every byte checked. The per-cpu
+lists keep their default size, as on any guest: after the bulk free they
+hold up to an eighth of the zone.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ def script(enable: bool) -> str:
         for k, v in BAD_KNOBS)
     return f"""{shell_helpers(3)}
 [ -d {PREZERO_DIR} ] || {{ echo 'no {PREZERO_DIR}' >&2; exit 3; }}
-echo 1000 > /proc/sys/vm/percpu_pagelist_high_fraction
 {knobs}
 ev start all
 populate --mib {MIB} --mode 4k --fill 0xa5 --tag dirty
@@ -94,8 +95,13 @@ def check(run: Run) -> dict[str, int]:
     assert measured[0]["nonzero_bytes"] == 0, measured
     assert total["pgzero_verify_failed"] == 0, total
     assert warm["pgzero_marked_prezero"] > 0, f"nothing pre-zeroed: {warm}"
-    # the populate's zeroing allocations consume the pool
+    # the populate's zeroing allocations consume the pool: all but a few
+    # (page tables, and pages the populate's own faults freed meanwhile);
+    # with the per-cpu lists at their default size, a bulk free leaves up
+    # to an eighth of the zone there, out of kprezerod's reach unless it
+    # gives them back to the free lists
     assert used["pgzero_skipped"] >= PAGES // 2, f"pool not consumed: {used}"
+    assert used["pgzero_skipped"] >= PAGES * 99 // 100, f"pool missed: {used}"
     return {**{f"warm.{k}": v for k, v in warm.items()},
             **{f"measure.{k}": v for k, v in used.items()}}
 
