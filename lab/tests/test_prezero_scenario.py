@@ -170,3 +170,14 @@ def test_footprint_events_carry_the_reported_counter():
     assert "pgzero_marked_reported" in script
     events = prezero.parse_events(["FREEPAGE-EVENT end all pgzero_marked_reported 7"])
     assert events[0][2]["pgzero_marked_reported"] == 7
+
+
+@pytest.mark.parametrize("variant", prezero.VARIANTS)
+def test_pcp_high_fraction_applies_to_every_variant(variant):
+    knob = "/proc/sys/vm/percpu_pagelist_high_fraction"
+    script = prezero.guest_script(prezero.PrezeroParams(), ("4k",), variant)
+    assert knob not in script  # default: the kernel's own per-cpu list sizes
+    lines = prezero.guest_script(prezero.PrezeroParams(pcp_high_fraction=1000), ("4k",),
+                                 variant).splitlines()
+    i = lines.index(f"echo 1000 > {knob}")
+    assert i < lines.index("populate --mib 1024 --mode 4k --fill 0xa5 --tag dirty")
