@@ -54,10 +54,18 @@ STEPS = (
          {"variants": "stock,freepage", "modes": "4k", "mem_mib": "1024", "repeat": "1"}),
     Step("faster eager split on arm64 KVM: split work in guest instructions (stock / series)",
          "split", "arm64", "own", {"mib": "256"}, {"mib": "64", "rounds": "1"}),
-    Step("pre-zeroing: populate, stock vs pre-zeroed",
-         "prezero", "uml", "own", {"variants": "vanilla,on", "modes": "4k,kzero9"},
+    Step("pre-zeroing: 4 KiB populate and in-kernel __GFP_ZERO, stock vs pre-zeroed (UML)",
+         "prezero", "uml", "own",
+         {"variants": "vanilla,on", "modes": "4k,kzero9", "mem_mib": "1280",
+          "pcp_high_fraction": "1000"},
          {"variants": "vanilla,on", "modes": "4k,kzero9", "repeat": "1", "mem_mib": "1024",
-          "populate_mib": "256"}),
+          "populate_mib": "256", "pcp_high_fraction": "1000"}),
+    Step("pre-zeroing: THP and hugetlb populate, stock vs pre-zeroed (QEMU, guest instructions)",
+         "prezero", "qemu", "own",
+         {"variants": "vanilla,on", "modes": "thp,hugetlb", "populate_mib": "512",
+          "repeat": "3"},
+         {"variants": "vanilla,on", "modes": "thp,hugetlb", "repeat": "1", "mem_mib": "1024",
+          "populate_mib": "128"}),
 )
 
 
