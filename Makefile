@@ -28,6 +28,7 @@ test-lab: deps
 
 test-guest:
 	$(MAKE) -s -C guest OUT=$(CURDIR)/guest/build
+	sh guest/check-args.sh $(CURDIR)/guest/build
 
 test-kernel: deps
 	$(FREEPAGE) series check

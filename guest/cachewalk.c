@@ -27,6 +27,7 @@
 #include <sys/mman.h>
 #include <time.h>
 
+#include "args.h"
 #include "clock.h"
 
 #define LINE 64UL
@@ -67,15 +68,19 @@ static int parse(int argc, char **argv, struct options *o)
 	for (i = 1; i + 1 < argc; i += 2) {
 		const char *a = argv[i], *v = argv[i + 1];
 
-		if (!strcmp(a, "--kib"))
-			o->kib = strtoul(v, NULL, 0);
-		else if (!strcmp(a, "--seconds"))
-			o->seconds = strtod(v, NULL);
-		else if (!strcmp(a, "--busy-ms"))
-			o->busy_ms = strtoul(v, NULL, 0);
-		else if (!strcmp(a, "--sleep-ms"))
-			o->sleep_ms = strtoul(v, NULL, 0);
-		else if (!strcmp(a, "--tag"))
+		if (!strcmp(a, "--kib")) {
+			if (arg_ulong("cachewalk", a, v, ULONG_MAX >> 10, &o->kib))
+				return 2;
+		} else if (!strcmp(a, "--seconds")) {
+			if (arg_double("cachewalk", a, v, &o->seconds))
+				return 2;
+		} else if (!strcmp(a, "--busy-ms")) {
+			if (arg_ulong("cachewalk", a, v, ULONG_MAX, &o->busy_ms))
+				return 2;
+		} else if (!strcmp(a, "--sleep-ms")) {
+			if (arg_ulong("cachewalk", a, v, ULONG_MAX, &o->sleep_ms))
+				return 2;
+		} else if (!strcmp(a, "--tag"))
 			o->tag = v;
 		else
 			return usage("unknown option");

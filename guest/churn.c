@@ -23,6 +23,7 @@
 #include <sys/resource.h>
 #include <time.h>
 
+#include "args.h"
 #include "clock.h"
 
 #define MIB (1024UL * 1024UL)
@@ -64,13 +65,16 @@ static int parse(int argc, char **argv, struct options *o)
 		}
 		if (!v)
 			return usage("option needs a value");
-		if (!strcmp(a, "--mib"))
-			o->mib = strtoul(v, NULL, 0);
-		else if (!strcmp(a, "--iterations"))
-			o->iterations = (unsigned int)strtoul(v, NULL, 0);
-		else if (!strcmp(a, "--sleep-ms"))
-			o->sleep_ms = (unsigned int)strtoul(v, NULL, 0);
-		else if (!strcmp(a, "--tag"))
+		if (!strcmp(a, "--mib")) {
+			if (arg_ulong("churn", a, v, ULONG_MAX >> 20, &o->mib))
+				return 2;
+		} else if (!strcmp(a, "--iterations")) {
+			if (arg_uint("churn", a, v, &o->iterations))
+				return 2;
+		} else if (!strcmp(a, "--sleep-ms")) {
+			if (arg_uint("churn", a, v, &o->sleep_ms))
+				return 2;
+		} else if (!strcmp(a, "--tag"))
 			o->tag = v;
 		else
 			return usage("unknown option");

@@ -20,6 +20,8 @@
 #include <sys/mman.h>
 #include <time.h>
 
+#include "args.h"
+
 #define MIB (1024UL * 1024UL)
 #define PAGE 4096UL
 
@@ -48,13 +50,17 @@ int main(int argc, char **argv)
 	int i;
 
 	for (i = 1; i + 1 < argc; i += 2) {
-		if (!strcmp(argv[i], "--mib"))
-			mib = strtoul(argv[i + 1], NULL, 0);
-		else if (!strcmp(argv[i], "--seconds"))
-			seconds = strtod(argv[i + 1], NULL);
-		else if (!strcmp(argv[i], "--pace-ms"))
-			pace = strtod(argv[i + 1], NULL) / 1000.0;
-		else
+		if (!strcmp(argv[i], "--mib")) {
+			if (arg_ulong("dirty", argv[i], argv[i + 1], ULONG_MAX >> 20, &mib))
+				return 2;
+		} else if (!strcmp(argv[i], "--seconds")) {
+			if (arg_double("dirty", argv[i], argv[i + 1], &seconds))
+				return 2;
+		} else if (!strcmp(argv[i], "--pace-ms")) {
+			if (arg_double("dirty", argv[i], argv[i + 1], &pace))
+				return 2;
+			pace /= 1000.0;
+		} else
 			break;
 	}
 	if (i != argc || !mib) {

@@ -21,6 +21,7 @@
 #include <sys/resource.h>
 #include <time.h>
 
+#include "args.h"
 #include "clock.h"
 
 #define MIB (1024UL * 1024UL)
@@ -44,11 +45,13 @@ int main(int argc, char **argv)
 	for (i = 1; i < argc; i += 2) {
 		if (i + 1 >= argc)
 			return usage("option needs a value");
-		if (!strcmp(argv[i], "--seconds"))
-			seconds = strtoul(argv[i + 1], NULL, 0);
-		else if (!strcmp(argv[i], "--mib"))
-			mib = strtoul(argv[i + 1], NULL, 0);
-		else if (!strcmp(argv[i], "--tag"))
+		if (!strcmp(argv[i], "--seconds")) {
+			if (arg_ulong("pagefault", argv[i], argv[i + 1], ULONG_MAX, &seconds))
+				return 2;
+		} else if (!strcmp(argv[i], "--mib")) {
+			if (arg_ulong("pagefault", argv[i], argv[i + 1], ULONG_MAX >> 20, &mib))
+				return 2;
+		} else if (!strcmp(argv[i], "--tag"))
 			tag = argv[i + 1];
 		else
 			return usage("unknown option");

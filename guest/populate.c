@@ -27,6 +27,7 @@
 #include <sys/resource.h>
 #include <time.h>
 
+#include "args.h"
 #include "clock.h"
 
 #ifndef MADV_POPULATE_WRITE
@@ -94,15 +95,21 @@ static int parse(int argc, char **argv, struct options *o)
 		}
 		if (!v)
 			return usage("option needs a value");
-		if (!strcmp(a, "--mib"))
-			o->mib = strtoul(v, NULL, 0);
-		else if (!strcmp(a, "--mode"))
+		if (!strcmp(a, "--mib")) {
+			if (arg_ulong("populate", a, v, ULONG_MAX >> 20, &o->mib))
+				return 2;
+		} else if (!strcmp(a, "--mode"))
 			o->mode = v;
-		else if (!strcmp(a, "--fill"))
-			o->fill = (int)(strtoul(v, NULL, 0) & 0xff);
-		else if (!strcmp(a, "--repeat"))
-			o->repeat = (unsigned int)strtoul(v, NULL, 0);
-		else if (!strcmp(a, "--tag"))
+		else if (!strcmp(a, "--fill")) {
+			unsigned long b;
+
+			if (arg_ulong("populate", a, v, 0xff, &b))
+				return 2;
+			o->fill = (int)b;
+		} else if (!strcmp(a, "--repeat")) {
+			if (arg_uint("populate", a, v, &o->repeat))
+				return 2;
+		} else if (!strcmp(a, "--tag"))
 			o->tag = v;
 		else
 			return usage("unknown option");
