@@ -237,6 +237,24 @@ def kernel_warnings(guest: Guest) -> list[str]:
     return [ln.text for ln in guest.lines[booted:] if "WARNING" in ln.text]
 
 
+def run_checked(ctx: RunContext, cfg: GuestConfig, tag: str, name: str,
+                timeout_s: int) -> Guest | None:
+    """Boot `cfg`, wait for its script; None on a dry run. A script that
+    failed or a kernel that warned after boot ends the scenario `name`."""
+    guest = ctx.runner().guest(tag, cfg, ctx.log(tag))
+    if ctx.shell.dry_run:
+        guest.start()
+        return None
+    with guest:
+        rc = guest.wait_exit(timeout_s)
+    if rc != 0:
+        raise guest.error(f"{name}: guest script failed (exit {rc})")
+    warnings = kernel_warnings(guest)
+    if warnings:
+        raise guest.error(f"{name}: kernel warned: {warnings[0]}")
+    return guest
+
+
 @dataclass
 class Measure:
     mode: str
@@ -256,18 +274,10 @@ class Prezero(Scenario):
                           initrd=ctx.initrd(f"prezero-{ctx.platform}-{variant}",
                                             guest_script(p, modes, variant)),
                           mem_mib=p.mem_mib, balloon=False, extra_args=list(extra))
-        tag = f"prezero-{ctx.platform}-{variant}-{rep}"
-        guest = ctx.runner().guest(tag, cfg, ctx.log(tag))
-        if ctx.shell.dry_run:
-            guest.start()
+        guest = run_checked(ctx, cfg, f"prezero-{ctx.platform}-{variant}-{rep}", "prezero",
+                            p.timeout_s)
+        if guest is None:
             return []
-        with guest:
-            rc = guest.wait_exit(p.timeout_s)
-        if rc != 0:
-            raise guest.error(f"prezero: guest script failed (exit {rc})")
-        warnings = kernel_warnings(guest)
-        if warnings:
-            raise guest.error(f"prezero: kernel warned: {warnings[0]}")
         events = parse_events([ln.text for ln in guest.lines])
         pops = [r for r in guest.json_records("populate") if r["tag"] == "measure"]
         bad = [r for r in pops if r["nonzero_bytes"] and variant != "limit"]

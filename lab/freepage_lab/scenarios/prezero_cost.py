@@ -44,7 +44,7 @@ from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, abba, table
-from .prezero import PREZERO_DIR, kernel_warnings, shell_helpers
+from .prezero import PREZERO_DIR, run_checked, shell_helpers
 
 VARIANTS = ("off", "nt", "cached")
 NOCACHE = {"nt": 1, "cached": 0}
@@ -135,18 +135,10 @@ class PrezeroCost(Scenario):
                           initrd=ctx.initrd(f"prezero-cost-{variant}",
                                             guest_script(p, variant, wss_kib)),
                           mem_mib=p.mem_mib, balloon=False)
-        tag = f"prezero-cost-{variant}-{rep}"
-        guest = ctx.runner().guest(tag, cfg, ctx.log(tag))
-        if ctx.shell.dry_run:
-            guest.start()
+        guest = run_checked(ctx, cfg, f"prezero-cost-{variant}-{rep}", "prezero_cost",
+                            p.timeout_s)
+        if guest is None:
             return []
-        with guest:
-            rc = guest.wait_exit(p.timeout_s)
-        if rc != 0:
-            raise guest.error(f"prezero_cost: guest script failed (exit {rc})")
-        warnings = kernel_warnings(guest)
-        if warnings:
-            raise guest.error(f"prezero_cost: kernel warned: {warnings[0]}")
         walks = {int(r["tag"]): r for r in guest.json_records("cachewalk")}
         out = []
         for i, (a, b) in sorted((k, v) for k, v in windows([ln.text for ln in guest.lines]).items()
