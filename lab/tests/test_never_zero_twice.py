@@ -160,3 +160,32 @@ echo "{EVENT} populated $({vmstat})"
     assert marked >= pages, events
     assert skipped >= 0.5 * pages, events
     assert not [ln.text for ln in g.lines if "WARNING" in ln.text]
+
+
+def test_power_off_with_a_report_in_flight(tmp_path):
+    """virtio_dev_shutdown() breaks the balloon's queues at power-off: a
+    report the device has not acknowledged yet must not hang the machine.
+
+    The daemon holds every discard for 3 s, so the report that the flush
+    starts is in flight when the guest powers off; the guest checks that the
+    flush still waits before it powers off. Before the driver gave up on a
+    broken and reset device, UML hung in page_reporting_unregister() and the
+    test failed with "printed its exit marker but did not power off".
+    """
+    from freepage_lab.backend import BalloonBackend
+
+    ctx = ctx_for(tmp_path, "uml")
+    script = f"""echo 1 > {knobs.FLUSH} &
+sleep 1
+[ -d /proc/$! ] || {{ echo 'the flush did not wait for the device' >&2; exit 3; }}
+echo 'report in flight: powering off'
+"""
+    backend = BalloonBackend(ctx.shell, tmp_path / "balloon.sock", ctx.log("backend"),
+                             ["--discard-delay-ms", "3000"])
+    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("poweroff", script),
+                      mem_mib=512, vhost_user_balloon=backend.socket)
+    with backend, ctx.runner().guest("poweroff", cfg, ctx.log("poweroff")) as g:
+        assert g.wait_exit(120) == 0  # raises when the guest does not power off
+        text = [ln.text for ln in g.lines]
+    assert "report in flight: powering off" in text, text[-20:]
+    assert not [t for t in text if "WARNING" in t or "BUG" in t], text

@@ -117,6 +117,12 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = default_threads())]
     pub discard_threads: usize,
 
+    /// Testing: wait this long before every discard, as a host that is slow
+    /// to give memory back would. Reports then stay in flight long enough to
+    /// test what a guest does meanwhile (e.g. power off).
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    pub discard_delay_ms: u64,
+
     /// Log level (logs go to stderr; RUST_LOG is not consulted).
     #[arg(long, value_enum, value_name = "LEVEL", default_value_t = LogLevel::Info)]
     pub log_level: LogLevel,
@@ -140,7 +146,13 @@ pub enum CliError {
     /// More discard threads than allowed.
     #[error("--discard-threads {0}: at most {MAX_DISCARD_THREADS}")]
     TooManyThreads(usize),
+    /// Discard delay out of range.
+    #[error("--discard-delay-ms {0}: at most {MAX_DISCARD_DELAY_MS}")]
+    DelayTooLong(u64),
 }
+
+/// Longest `--discard-delay-ms`: 10 minutes.
+pub const MAX_DISCARD_DELAY_MS: u64 = 600_000;
 
 /// Validated configuration.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -157,6 +169,8 @@ pub struct Config {
     pub discard: DiscardMode,
     /// discard worker threads (0: on the vring thread).
     pub discard_threads: usize,
+    /// wait before every discard (testing).
+    pub discard_delay: std::time::Duration,
     /// log level.
     pub log_level: LogLevel,
 }
@@ -194,6 +208,9 @@ impl TryFrom<Args> for Config {
         if a.discard_threads > MAX_DISCARD_THREADS {
             return Err(CliError::TooManyThreads(a.discard_threads));
         }
+        if a.discard_delay_ms > MAX_DISCARD_DELAY_MS {
+            return Err(CliError::DelayTooLong(a.discard_delay_ms));
+        }
         Ok(Config {
             socket_path: a.socket_path,
             control_socket: a.control_socket,
@@ -210,6 +227,7 @@ impl TryFrom<Args> for Config {
             },
             discard: a.discard,
             discard_threads: a.discard_threads,
+            discard_delay: std::time::Duration::from_millis(a.discard_delay_ms),
             log_level: a.log_level,
         })
     }
@@ -237,6 +255,13 @@ mod tests {
         assert_eq!(
             parse(&["-s", "/tmp/x.sock", "--discard-threads", "65"]),
             Err(CliError::TooManyThreads(65))
+        );
+        assert!(c.discard_delay.is_zero());
+        let c = parse(&["-s", "/tmp/x.sock", "--discard-delay-ms", "600000"]).unwrap();
+        assert_eq!(c.discard_delay, std::time::Duration::from_secs(600));
+        assert_eq!(
+            parse(&["-s", "/tmp/x.sock", "--discard-delay-ms", "600001"]),
+            Err(CliError::DelayTooLong(600_001))
         );
     }
 

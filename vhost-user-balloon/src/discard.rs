@@ -23,7 +23,9 @@
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::Duration;
 
 use thiserror::Error;
 use vm_memory::bitmap::Bitmap;
@@ -420,6 +422,37 @@ impl Discarder for HostDiscarder {
     }
 }
 
+/// Waits before every discard and fill of the discarder it wraps
+/// (`--discard-delay-ms`): a host that is slow to give memory back. Reports
+/// then stay in flight for as long as a test needs them to.
+pub struct DelayedDiscarder {
+    inner: Arc<dyn Discarder>,
+    delay: Duration,
+}
+
+impl DelayedDiscarder {
+    /// Wraps `inner`; every call waits `delay` first.
+    pub fn new(inner: Arc<dyn Discarder>, delay: Duration) -> Self {
+        Self { inner, delay }
+    }
+}
+
+impl Discarder for DelayedDiscarder {
+    fn releases_memory(&self) -> bool {
+        self.inner.releases_memory()
+    }
+
+    fn discard(&self, mem: &GuestMem, range: GuestRange) -> Result<Discarded, DiscardError> {
+        thread::sleep(self.delay);
+        self.inner.discard(mem, range)
+    }
+
+    fn fill(&self, mem: &GuestMem, range: GuestRange, pattern: u32) -> Result<(), DiscardError> {
+        thread::sleep(self.delay);
+        self.inner.fill(mem, range, pattern)
+    }
+}
+
 /// Test double: records every call, "discards" by zero-filling through
 /// guest memory (no system call), and fails discards and/or fills on
 /// request.
@@ -574,6 +607,37 @@ mod tests {
         let mut b = [1u8; 4096];
         mem.read_slice(&mut b, GuestAddress(0)).unwrap();
         assert!(b.iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn delayed_waits_then_delegates() {
+        let mem = mem_with(5);
+        let rec = Arc::new(RecordingDiscarder::default());
+        let d = DelayedDiscarder::new(rec.clone(), Duration::from_millis(40));
+        assert!(d.releases_memory());
+        let t = std::time::Instant::now();
+        let o = d.discard(&mem, GuestRange::new(4096, 4096)).unwrap();
+        assert!(
+            t.elapsed() >= Duration::from_millis(40),
+            "{:?}",
+            t.elapsed()
+        );
+        assert_eq!(o.discarded, 4096);
+        assert_eq!(
+            *rec.calls.lock().unwrap(),
+            vec![GuestRange::new(4096, 4096)]
+        );
+        assert!(read(&mem, GuestRange::new(4096, 4096))
+            .iter()
+            .all(|&x| x == 0));
+        let t = std::time::Instant::now();
+        d.fill(&mem, GuestRange::new(0, 4096), 0xaa).unwrap();
+        assert!(
+            t.elapsed() >= Duration::from_millis(40),
+            "{:?}",
+            t.elapsed()
+        );
+        assert_eq!(rec.fills.lock().unwrap().len(), 1);
     }
 
     fn mem_with(byte: u8) -> GuestMem {

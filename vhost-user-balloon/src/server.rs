@@ -21,7 +21,7 @@ use vmm_sys_util::epoll::EventSet;
 use crate::backend::{BalloonBackend, DeviceState, STATS_REQUEST_EVENT};
 use crate::cli::{Config, DiscardMode};
 use crate::control::{self, ControlError};
-use crate::discard::{Discarder, GuestMem, HostDiscarder, NoopDiscarder};
+use crate::discard::{DelayedDiscarder, Discarder, GuestMem, HostDiscarder, NoopDiscarder};
 use crate::shim::{Hooks, Shim, ShimError};
 
 /// Error of this module.
@@ -143,6 +143,15 @@ pub fn run(config: Config) -> Result<(), ServerError> {
     let discarder: Arc<dyn Discarder> = match config.discard {
         DiscardMode::Auto => Arc::new(HostDiscarder),
         DiscardMode::None => Arc::new(NoopDiscarder),
+    };
+    let discarder: Arc<dyn Discarder> = if config.discard_delay.is_zero() {
+        discarder
+    } else {
+        warn!(
+            "every discard waits {} ms (--discard-delay-ms, for tests)",
+            config.discard_delay.as_millis()
+        );
+        Arc::new(DelayedDiscarder::new(discarder, config.discard_delay))
     };
     if config.socket_path.exists() {
         let _ = std::fs::remove_file(&config.socket_path);
