@@ -159,3 +159,47 @@ def test_hugetlb_pool_is_prezeroed_and_verified_zero_on_qemu(tmp_path):
     assert measured[0]["nonzero_bytes"] == 0, measured
     assert delta(events, "all", "start", "measured")["pgzero_verify_failed"] == 0
     assert used["pgzero_prezero_hugetlb"] == 0, used
+
+
+IDLE_S = 10
+
+
+def test_idle_thread_does_not_rescan_unchanged_free_lists(tmp_path):
+    """Once kprezerod has nothing left to clear, it must not walk the free
+    lists (zone lock, interrupts off) every second while nothing moves; and
+    a free must still wake it up.
+
+    Before the thread skipped such rounds it scanned the zone about once a
+    second: `pgzero_prezero_scans` grew by ~IDLE_S over IDLE_S idle seconds.
+    Now only a change (here: the exit of the `sleep` and `awk` processes of
+    the script itself) starts a scan.
+    """
+    scans = "awk '/^pgzero_prezero_scans /{print $2}' /proc/vmstat"
+    marked = "awk '/^pgzero_marked_prezero /{print $2}' /proc/vmstat"
+    script = f"""{shell_helpers(3)}
+[ -d {PREZERO_DIR} ] || {{ echo 'no {PREZERO_DIR}' >&2; exit 3; }}
+echo 1 > {PREZERO_DIR}/enabled
+prezero_wait 120 all
+s0=$({scans}); sleep {IDLE_S}; s1=$({scans})
+echo "{EVENT} idle scans $((s1 - s0))"
+m0=$({marked})
+populate --mib 64 --mode 4k --fill 0xa5 --tag dirty
+prezero_wait 60 all
+echo "{EVENT} refill marked $(( $({marked}) - m0 ))"
+echo 0 > {PREZERO_DIR}/enabled
+"""
+    ctx = RunContext(shell=Shell(), run_dir=tmp_path, platform="uml", patched=True)
+    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("prezero-idle", script),
+                      mem_mib=512, balloon=False)
+    with ctx.runner().guest("prezero-idle", cfg, ctx.log("prezero-idle")) as g:
+        rc = g.wait_exit(300)
+        lines = [ln.text for ln in g.lines]
+        warnings = kernel_warnings(g)
+    assert rc == 0, lines[-20:]
+    assert not warnings, warnings
+    found = {ln.split()[1]: int(ln.split()[3]) for ln in lines
+             if ln.startswith(f"{EVENT} ") and len(ln.split()) == 4}
+    assert "idle" in found and "refill" in found, lines[-20:]
+    assert found["idle"] <= 3, f"{found['idle']} scans in {IDLE_S} idle seconds"
+    # 64 MiB dirtied and freed: the thread woke up and cleared it
+    assert found["refill"] >= 64 * 256 * 9 // 10, found

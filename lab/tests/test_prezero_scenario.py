@@ -118,13 +118,35 @@ def test_cost_script_walks_while_the_pool_is_cleared(variant):
 
 
 def test_cost_windows_give_cpu_share_and_marked_pages():
-    lines = [f"{EVENT} window 0 ticks 5 uptime_cs 1000 pgzero_marked_prezero 0 "
-             "pgzero_prezero_aborted 0",
+    lines = [f"{EVENT} window 0 cpu_ns 50000000 cpu_src_schedstat 1 uptime_cs 1000 "
+             "pgzero_marked_prezero 0 pgzero_prezero_aborted 0",
              '{"prog":"cachewalk"}',
-             f"{EVENT} window 0 ticks 25 uptime_cs 1200 pgzero_marked_prezero 262144 "
-             "pgzero_prezero_aborted 32"]
+             f"{EVENT} window 0 cpu_ns 250000000 cpu_src_schedstat 1 uptime_cs 1200 "
+             "pgzero_marked_prezero 262144 pgzero_prezero_aborted 32"]
     w = prezero_cost.windows(lines)
-    assert list(w) == [0] and w[0][1]["ticks"] - w[0][0]["ticks"] == 20
+    assert list(w) == [0]
+    assert prezero_cost.cpu_share(*w[0]) == (pytest.approx(0.1), True)
+    # a snapshot from ticks makes the share inexact
+    ticks = dict(w[0][1], cpu_src_schedstat=0)
+    assert prezero_cost.cpu_share(w[0][0], ticks)[1] is False
+
+
+def test_cost_script_reads_kprezerod_cpu_time(tmp_path):
+    """The guest's kcpu() finds kprezerod among /proc/<pid>/stat and prefers
+    schedstat; run here against a fake /proc."""
+    script = prezero_cost.guest_script(prezero_cost.PrezeroCostParams(walks=1), "nt", 64)
+    body = script[script.index("kcpu() {"):]
+    body = body[:body.index("\n}\n") + 3]
+    for pid, comm in ((7, "kswapd0"), (42, "kprezerod")):
+        d = tmp_path / str(pid)
+        d.mkdir()
+        (d / "stat").write_text(f"{pid} ({comm}) S " + " ".join(["0"] * 10) + " 3 4 0 0\n")
+    fake = body.replace("/proc/[0-9]*/stat", f"{tmp_path}/[0-9]*/stat")
+    run = subprocess.run(["sh", "-c", fake + "kcpu"], capture_output=True, text=True)
+    assert run.stdout.split() == ["70000000", "ticks"], run
+    (tmp_path / "42" / "schedstat").write_text("123456789 5 6\n")
+    run = subprocess.run(["sh", "-c", fake + "kcpu"], capture_output=True, text=True)
+    assert run.stdout.split() == ["123456789", "schedstat"], run
 
 
 def test_cost_summary_compares_with_off():

@@ -14,8 +14,10 @@ of free pages that are not known zero), then run guest/cachewalk over a
 working set of `wss_kib` (0: the host's last-level cache size) for
 `walk_s` seconds, in bursts of `busy_ms` walking and `sleep_ms` asleep,
 while kprezerod clears the pool. Around each walk the guest reads the
-CPU time charged to kprezerod (/proc/<pid>/stat utime + stime, in ticks
-of 10 ms) and pgzero_marked_prezero.
+CPU time charged to kprezerod and pgzero_marked_prezero. The CPU time is
+the scheduler's runtime in ns (/proc/<pid>/schedstat; bench.config turns
+on CONFIG_SCHEDSTATS for it), or else utime + stime in ticks of 10 ms,
+which undercount a thread that runs in slices shorter than a tick.
 
 What this measures, and what not: a UML guest has one CPU. kprezerod is
 SCHED_IDLE and gives the CPU up as soon as another task wants it, so it
@@ -79,13 +81,20 @@ class PrezeroCostParams:
 def guest_script(p: PrezeroCostParams, variant: str, wss_kib: int) -> str:
     lines = [
         shell_helpers(),
-        # CPU ticks (utime + stime) of kprezerod, 0 while it does not exist
-        "kticks() {",
+        # CPU time of kprezerod in ns, 0 while it does not exist: the
+        # scheduler's own runtime (/proc/<pid>/schedstat, CONFIG_SCHED_INFO,
+        # which bench.config turns on) where there is one, else utime +
+        # stime, in ticks, which miss a thread that runs between ticks
+        "kcpu() {",
         "\tfor s in /proc/[0-9]*/stat; do",
         "\t\tcase \"$(cat $s 2>/dev/null)\" in *'(kprezerod)'*)",
-        "\t\t\tawk '{print $14 + $15}' $s; return;; esac",
+        "\t\t\tif [ -r ${s%/stat}/schedstat ]; then",
+        "\t\t\t\techo \"$(cut -d' ' -f1 ${s%/stat}/schedstat) schedstat\"",
+        "\t\t\telse",
+        f"\t\t\t\techo \"$(awk '{{print ($14 + $15) * {int(TICK_S * 1e9)}}}' $s) ticks\"",
+        "\t\t\tfi; return;; esac",
         "\tdone",
-        "\techo 0",
+        "\techo '0 none'",
         "}",
         f"[ -d {PREZERO_DIR} ] || {{ echo 'prezero_cost: no {PREZERO_DIR}' >&2; exit 3; }}",
     ]
@@ -94,11 +103,13 @@ def guest_script(p: PrezeroCostParams, variant: str, wss_kib: int) -> str:
     for i in range(p.walks):
         lines += [
             f"populate --mib {p.pool_mib} --mode 4k --fill 0xa5 --tag pool",
-            f"echo \"{EVENT} window {i} ticks $(kticks) uptime_cs $(awk '{{printf \"%d\", "
+            f"set -- $(kcpu); echo \"{EVENT} window {i} cpu_ns $1 cpu_src_schedstat "
+            f"$([ \"$2\" = schedstat ] && echo 1 || echo 0) uptime_cs $(awk '{{printf \"%d\", "
             f"$1 * 100}}' /proc/uptime) $(vm)\"",
             f"cachewalk --kib {wss_kib} --seconds {p.walk_s} --busy-ms {p.busy_ms} "
             f"--sleep-ms {p.sleep_ms} --tag {i}",
-            f"echo \"{EVENT} window {i} ticks $(kticks) uptime_cs $(awk '{{printf \"%d\", "
+            f"set -- $(kcpu); echo \"{EVENT} window {i} cpu_ns $1 cpu_src_schedstat "
+            f"$([ \"$2\" = schedstat ] && echo 1 || echo 0) uptime_cs $(awk '{{printf \"%d\", "
             f"$1 * 100}}' /proc/uptime) $(vm)\"",
         ]
     lines.append("knob enabled 0")
@@ -112,6 +123,16 @@ class Walk:
     prezero_cpu_share: float
     marked_mib: float
     aborted_pages: int
+    # the share comes from the scheduler's runtime, not from ticks
+    cpu_exact: bool = True
+
+
+def cpu_share(a: dict[str, int], b: dict[str, int]) -> tuple[float, bool]:
+    """kprezerod's share of one CPU between two window snapshots, and whether
+    both came from the scheduler's runtime (schedstat) rather than ticks."""
+    wall_s = (b["uptime_cs"] - a["uptime_cs"]) / 100
+    share = (b["cpu_ns"] - a["cpu_ns"]) / 1e9 / wall_s if wall_s > 0 else 0.0
+    return share, bool(a["cpu_src_schedstat"] and b["cpu_src_schedstat"])
 
 
 def windows(lines: list[str]) -> dict[int, list[dict[str, int]]]:
@@ -143,13 +164,12 @@ class PrezeroCost(Scenario):
         out = []
         for i, (a, b) in sorted((k, v) for k, v in windows([ln.text for ln in guest.lines]).items()
                                 if len(v) == 2):
-            wall_s = (b["uptime_cs"] - a["uptime_cs"]) / 100
-            share = (b["ticks"] - a["ticks"]) * TICK_S / wall_s if wall_s > 0 else 0.0
+            share, exact = cpu_share(a, b)
             r = walks[i]
             out.append(Walk(r["refill_ns_per_access_median"], r["walk_ns_per_access_median"],
                             share,
                             (b["pgzero_marked_prezero"] - a["pgzero_marked_prezero"]) / 256,
-                            b["pgzero_prezero_aborted"] - a["pgzero_prezero_aborted"]))
+                            b["pgzero_prezero_aborted"] - a["pgzero_prezero_aborted"], exact))
         return out
 
     def run(self, ctx: RunContext, params: PrezeroCostParams) -> Outcome:
@@ -184,6 +204,7 @@ def summarise_run(p: PrezeroCostParams, wss_kib: int, runs: dict[str, list[Walk]
             "prezero_cpu_share": summarise([w.prezero_cpu_share for w in ws]).as_dict(),
             "marked_mib_per_walk": statistics.median(w.marked_mib for w in ws),
             "aborted_pages": sum(w.aborted_pages for w in ws),
+            "cpu_source": "schedstat" if all(w.cpu_exact for w in ws) else "ticks",
             "raw_walk_ns_per_access": [w.walk_ns for w in ws]}
         if v != "off" and runs.get("off"):
             for key in ("refill", "walk"):
@@ -204,12 +225,14 @@ def render(data: dict[str, Any], variants: tuple[str, ...]) -> str:
                      fmt_ratio(e["refill_over_off"]) if "refill_over_off" in e else "",
                      f"{w['median']:.2f} [{w['min']:.2f}-{w['max']:.2f}]",
                      fmt_ratio(e["walk_over_off"]) if "walk_over_off" in e else "",
-                     f"{c['median'] * 100:.1f}% [{c['min'] * 100:.1f}-{c['max'] * 100:.1f}]",
+                     f"{c['median'] * 100:.1f}% [{c['min'] * 100:.1f}-{c['max'] * 100:.1f}]"
+                     + ("" if e.get("cpu_source") == "schedstat" else " *"),
                      f"{e['marked_mib_per_walk']:.0f}", e["aborted_pages"], w["n"]])
     p = data["params"]
     return (f"prezero_cost (UML, cachewalk over {data['wss_kib']} KiB, {p['busy_ms']} ms busy / "
             f"{p['sleep_ms']} ms asleep, {p['walk_s']} s per walk, {p['pool_mib']} MiB dirty pool; "
             "ns per access median [min-max] over walks, ratio to off with bootstrap 95% interval; "
-            "kprezerod CPU = its utime+stime over the walk's wall time, cpu_percent=10)\n"
+            "kprezerod CPU = its CPU time over the walk's wall time, cpu_percent=10; "
+            "from the scheduler's runtime, or ticks where marked *)\n"
             + table(["variant", "refill ns", "refill/off", "walk ns", "walk/off",
                      "kprezerod CPU", "MiB cleared/walk", "aborted pages", "n"], rows))
