@@ -41,6 +41,8 @@ class GuestConfig:
     # nanosecond, so guest clocks count instructions (work, not time)
     icount: bool = False
     extra_args: list[str] = field(default_factory=list)
+    # UML only: run the guest (every host process of it) on this host CPU
+    host_cpu: int | None = None
 
 
 class Runner(ABC):
@@ -99,7 +101,9 @@ class UmlRunner(Runner):
                 "con=null", "con0=null,fd:1", "console=tty0", "fp.halt=poweroff"]
         if cfg.vhost_user_balloon is not None:
             argv.append(f"virtio_uml.device={cfg.vhost_user_balloon}:5")
-        return argv + cfg.cmdline + cfg.extra_args
+        # taskset execs the kernel: the guest's pid stays the kernel's
+        pin = ["taskset", "-c", str(cfg.host_cpu)] if cfg.host_cpu is not None else []
+        return pin + argv + cfg.cmdline + cfg.extra_args
 
     def footprint_bytes(self, guest: Guest) -> int | None:
         """Allocated blocks of UML's physical-memory file (held open, unlinked)."""

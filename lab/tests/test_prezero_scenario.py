@@ -2,13 +2,14 @@
 
 import shutil
 import subprocess
+import time
 
 import pytest
 
 from freepage_lab import cli
 from freepage_lab.initramfs import EVENT
 from freepage_lab.scenarios import prezero, prezero_cost, prezero_footprint
-from freepage_lab.shell import LabError
+from freepage_lab.shell import LabError, Shell
 
 
 def sh_syntax_ok(script: str) -> None:
@@ -203,3 +204,38 @@ def test_pcp_high_fraction_applies_to_every_variant(variant):
                                  variant).splitlines()
     i = lines.index(f"echo 1000 > {knob}")
     assert i < lines.index("populate --mib 1024 --mode 4k --fill 0xa5 --tag dirty")
+
+
+def test_uml_guest_pinned_to_a_host_cpu(tmp_path):
+    from freepage_lab.runners import GuestConfig, UmlRunner
+
+    cfg = GuestConfig(kernel=tmp_path / "linux", initrd=tmp_path / "i.cpio", host_cpu=1)
+    argv = UmlRunner(Shell(dry_run=True)).argv(cfg)
+    assert argv[:4] == ["taskset", "-c", "1", str(tmp_path / "linux")]
+    cfg.host_cpu = None
+    assert UmlRunner(Shell(dry_run=True)).argv(cfg)[0] == str(tmp_path / "linux")
+
+
+def test_cpu_held_runs_an_idle_spinner_and_leaves_nothing_behind():
+    with prezero_cost.cpu_held(Shell(), 0):
+        out = subprocess.run(["pgrep", "-f", "while :; do :; done"], capture_output=True,
+                             text=True)
+        pids = out.stdout.split()
+        assert pids, "no spinner"
+        policy = subprocess.run(["chrt", "-p", pids[0]], capture_output=True, text=True)
+        assert "SCHED_IDLE" in policy.stdout, policy.stdout
+    time.sleep(0.1)
+    left = subprocess.run(["pgrep", "-f", "while :; do :; done"], capture_output=True,
+                          text=True).stdout.split()
+    assert not set(left) & set(pids), left
+
+
+@pytest.mark.parametrize("bad,why", [({"hold_cpu": "1"}, "needs host_cpu"),
+                                     ({"host_cpu": "4096"}, "CPUs")])
+def test_cost_refuses_bad_cpu_params(tmp_path, bad, why):
+    from freepage_lab.context import RunContext
+
+    ctx = RunContext(shell=Shell(dry_run=True), run_dir=tmp_path, platform="uml")
+    scen = prezero_cost.PrezeroCost()
+    with pytest.raises(LabError, match=why):
+        scen.run(ctx, scen.params(bad))

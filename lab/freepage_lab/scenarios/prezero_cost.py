@@ -35,7 +35,13 @@ The host runs other work too: compare variants of one run only.
 
 from __future__ import annotations
 
+import os
+import signal
 import statistics
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +49,7 @@ from typing import Any
 from ..context import RunContext
 from ..initramfs import EVENT
 from ..runners import GuestConfig
-from ..shell import LabError
+from ..shell import LabError, Shell
 from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, abba, table
 from .prezero import PREZERO_DIR, run_checked, shell_helpers
@@ -76,6 +82,12 @@ class PrezeroCostParams:
     variants: tuple[str, ...] = VARIANTS
     repeat: int = 5
     timeout_s: int = 900
+    # host CPU to run the guest on (-1: wherever the host likes)
+    host_cpu: int = -1
+    # 1: keep that host CPU busy with a SCHED_IDLE spinner while the guest
+    # sleeps, so that it never halts and no other task (or, under a
+    # hypervisor, no other VM) uses its caches meanwhile
+    hold_cpu: int = 0
 
 
 def guest_script(p: PrezeroCostParams, variant: str, wss_kib: int) -> str:
@@ -146,6 +158,30 @@ def windows(lines: list[str]) -> dict[int, list[dict[str, int]]]:
     return out
 
 
+@contextmanager
+def cpu_held(shell: Shell, cpu: int) -> Iterator[None]:
+    """A SCHED_IDLE busy loop pinned to host CPU `cpu` for the duration: it
+    runs only when nothing else wants that CPU, and touches no memory to
+    speak of."""
+    if shell.dry_run:
+        print(f"$ chrt -i 0 taskset -c {cpu} sh -c 'while :; do :; done'")
+        yield
+        return
+    proc = subprocess.Popen(["chrt", "-i", "0", "taskset", "-c", str(cpu), "sh", "-c",
+                             "while :; do :; done"], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        time.sleep(0.2)
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
+            raise LabError(f"prezero_cost: cannot hold host CPU {cpu}: {err or proc.returncode}")
+        yield
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 class PrezeroCost(Scenario):
     name = "prezero_cost"
     Params = PrezeroCostParams
@@ -155,7 +191,8 @@ class PrezeroCost(Scenario):
         cfg = GuestConfig(kernel=ctx.kernel(patched=True),
                           initrd=ctx.initrd(f"prezero-cost-{variant}",
                                             guest_script(p, variant, wss_kib)),
-                          mem_mib=p.mem_mib, balloon=False)
+                          mem_mib=p.mem_mib, balloon=False,
+                          host_cpu=p.host_cpu if p.host_cpu >= 0 else None)
         guest = run_checked(ctx, cfg, f"prezero-cost-{variant}-{rep}", "prezero_cost",
                             p.timeout_s)
         if guest is None:
@@ -181,11 +218,18 @@ class PrezeroCost(Scenario):
                            f"{', '.join(VARIANTS)}")
         if params.pool_mib >= params.mem_mib:
             raise LabError("prezero_cost: pool_mib must be below mem_mib")
+        ncpu = os.cpu_count() or 1
+        if params.hold_cpu and params.host_cpu < 0:
+            raise LabError("prezero_cost: hold_cpu=1 needs host_cpu")
+        if params.host_cpu >= ncpu:
+            raise LabError(f"prezero_cost: host_cpu={params.host_cpu}, the host has {ncpu} CPUs")
         wss = params.wss_kib or host_llc_kib() or 32768
         runs: dict[str, list[Walk]] = {v: [] for v in params.variants}
-        for rep in range(params.repeat):
-            for variant in abba(params.variants, rep):
-                runs[variant] += self._guest(ctx, params, variant, rep, wss)
+        held = cpu_held(ctx.shell, params.host_cpu) if params.hold_cpu else nullcontext()
+        with held:
+            for rep in range(params.repeat):
+                for variant in abba(params.variants, rep):
+                    runs[variant] += self._guest(ctx, params, variant, rep, wss)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         data = summarise_run(params, wss, runs)
