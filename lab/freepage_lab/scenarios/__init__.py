@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..context import RunContext
+from ..guest import Guest
+from ..initramfs import BOOTED
+from ..runners import GuestConfig, Runner
 from ..shell import LabError
 
 
@@ -99,3 +103,31 @@ def table(headers: list[str], rows: Sequence[Sequence[object]]) -> str:
 
 def fmt_s(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}"
+
+
+def kernel_warnings(guest: Guest) -> list[str]:
+    """WARNING lines after boot (KUnit suites warn on purpose before init)."""
+    booted = next((i for i, ln in enumerate(guest.lines) if ln.text.startswith(BOOTED)), 0)
+    return [ln.text for ln in guest.lines[booted:] if "WARNING" in ln.text]
+
+
+def run_checked(ctx: RunContext, cfg: GuestConfig, tag: str, name: str,
+                timeout_s: int, host: AbstractContextManager[object] | None = None,
+                runner: Runner | None = None) -> Guest | None:
+    """Boot `cfg` (with `runner`, default the context's, and the device
+    backend `host` running around it), wait for its script; None on a dry
+    run. A script that failed or a kernel that warned after boot ends the
+    scenario `name`."""
+    guest = (runner or ctx.runner()).guest(tag, cfg, ctx.log(tag))
+    with host or nullcontext():
+        if ctx.shell.dry_run:
+            guest.start()
+            return None
+        with guest:
+            rc = guest.wait_exit(timeout_s)
+    if rc != 0:
+        raise guest.error(f"{name}: guest script failed (exit {rc})")
+    warnings = kernel_warnings(guest)
+    if warnings:
+        raise guest.error(f"{name}: kernel warned: {warnings[0]}")
+    return guest

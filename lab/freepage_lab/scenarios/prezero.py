@@ -40,12 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from ..context import RunContext
-from ..guest import Guest
-from ..initramfs import BOOTED, EVENT
+from ..initramfs import EVENT
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
-from . import Outcome, Scenario, abba, table
+from . import Outcome, Scenario, abba, run_checked, table
 from .zerobench import BENCH_PATCH, BENCH_PROG, RUN
 from .zeroskip import LIMIT_PATCH
 
@@ -229,30 +228,6 @@ def icount_args(ctx: RunContext, icount: bool) -> list[str]:
         raise LabError(f"prezero: -icount needs QEMU TCG, not {accel}: add --accel tcg "
                        "or --param icount=false")
     return ["-icount", "shift=0,sleep=off"]
-
-
-def kernel_warnings(guest: Guest) -> list[str]:
-    """WARNING lines after boot (KUnit suites warn on purpose before init)."""
-    booted = next((i for i, ln in enumerate(guest.lines) if ln.text.startswith(BOOTED)), 0)
-    return [ln.text for ln in guest.lines[booted:] if "WARNING" in ln.text]
-
-
-def run_checked(ctx: RunContext, cfg: GuestConfig, tag: str, name: str,
-                timeout_s: int) -> Guest | None:
-    """Boot `cfg`, wait for its script; None on a dry run. A script that
-    failed or a kernel that warned after boot ends the scenario `name`."""
-    guest = ctx.runner().guest(tag, cfg, ctx.log(tag))
-    if ctx.shell.dry_run:
-        guest.start()
-        return None
-    with guest:
-        rc = guest.wait_exit(timeout_s)
-    if rc != 0:
-        raise guest.error(f"{name}: guest script failed (exit {rc})")
-    warnings = kernel_warnings(guest)
-    if warnings:
-        raise guest.error(f"{name}: kernel warned: {warnings[0]}")
-    return guest
 
 
 @dataclass

@@ -51,8 +51,8 @@ from ..initramfs import EVENT
 from ..runners import GuestConfig
 from ..shell import LabError, Shell
 from ..stats import fmt_ratio, median_ratio, summarise
-from . import Outcome, Scenario, abba, table
-from .prezero import PREZERO_DIR, run_checked, shell_helpers
+from . import Outcome, Scenario, abba, run_checked, table
+from .prezero import PREZERO_DIR, shell_helpers
 
 VARIANTS = ("off", "nt", "cached")
 NOCACHE = {"nt": 1, "cached": 0}

@@ -24,8 +24,8 @@ from ..knobs import FLUSH
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import summarise
-from . import Outcome, Scenario, table
-from .prezero import kernel_warnings, parse_events, shell_helpers
+from . import Outcome, Scenario, kernel_warnings, table
+from .prezero import parse_events, shell_helpers
 
 MIB = 1 << 20
 

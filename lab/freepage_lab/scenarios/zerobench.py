@@ -56,12 +56,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..context import RunContext
-from ..initramfs import BOOTED
 from ..knobs import FLUSH
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import median_ratio, summarise
-from . import Outcome, Scenario, abba, table
+from . import Outcome, Scenario, abba, run_checked, table
 
 # test-only: the in-kernel benchmark, applied to every kernel here
 BENCH_PATCH = "page-zeroed-bench.patch"
@@ -238,20 +237,10 @@ class Zerobench(Scenario):
             cfg.extra_args += qemu_args
         # UML: the daemon offers bit 6 (reported pages read as zero) only for "on"
         host = ctx.balloon_host(cfg, tag, () if variant == "on" else ("--no-zero-bits",))
-        guest = ctx.balloon_runner(cfg, zeroing=variant == "on").guest(tag, cfg, ctx.log(tag))
-        if ctx.shell.dry_run:
-            with host:
-                guest.start()
+        guest = run_checked(ctx, cfg, tag, "zerobench", params.timeout_s, host=host,
+                            runner=ctx.balloon_runner(cfg, zeroing=variant == "on"))
+        if guest is None:
             return [], []
-        with host, guest:
-            rc = guest.wait_exit(params.timeout_s)
-        if rc != 0:
-            raise guest.error(f"zerobench: guest script failed (exit {rc})")
-        # KUnit suites run (and may warn on purpose) before init: look after boot
-        booted = next((i for i, ln in enumerate(guest.lines) if ln.text.startswith(BOOTED)), 0)
-        warnings = [ln.text for ln in guest.lines[booted:] if "WARNING" in ln.text]
-        if warnings:
-            raise guest.error(f"zerobench: kernel warned: {warnings[0]}")
         records = guest.json_records(BENCH_PROG)
         zeros = [r for r in records if r.get("test") == "zero"]
         fast = [r for r in records if r.get("test") == "fastpath"]

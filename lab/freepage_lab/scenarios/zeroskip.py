@@ -20,12 +20,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..context import RunContext
-from ..initramfs import BOOTED
 from ..knobs import FLUSH
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
-from . import Outcome, Scenario, abba, table
+from . import Outcome, Scenario, abba, run_checked, table
 
 # test-only: a kernel that never zeroes anonymous/THP/hugetlb user pages (unsafe)
 LIMIT_PATCH = "unsafe-no-user-page-zeroing.patch"
@@ -92,19 +91,10 @@ class Zeroskip(Scenario):
         tag = f"zeroskip-{ctx.platform}-{variant}-{rnd}"
         # UML: the daemon offers bit 6 only for "on"
         host = ctx.balloon_host(cfg, tag, () if variant == "on" else ("--no-zero-bits",))
-        guest = runner.guest(tag, cfg, ctx.log(tag))
-        if ctx.shell.dry_run:
-            guest.start()
+        guest = run_checked(ctx, cfg, tag, "zeroskip", params.timeout_s, host=host,
+                            runner=runner)
+        if guest is None:
             return [], []
-        with host, guest:
-            rc = guest.wait_exit(params.timeout_s)
-        if rc != 0:
-            raise guest.error(f"zeroskip: guest script failed (exit {rc})")
-        # KUnit suites run (and may warn on purpose) before init: look after boot
-        booted = next((i for i, ln in enumerate(guest.lines) if ln.text.startswith(BOOTED)), 0)
-        warnings = [ln.text for ln in guest.lines[booted:] if "WARNING" in ln.text]
-        if warnings:
-            raise guest.error(f"zeroskip: kernel warned: {warnings[0]}")
         measured = [r for r in guest.json_records("populate") if r["tag"] == "measure"]
         # the limit kernel does not zero user memory at all: garbage is expected there
         bad = [r for r in measured if r["nonzero_bytes"] and variant != "limit"]
