@@ -8,7 +8,7 @@ import pytest
 
 from freepage_lab import cli
 from freepage_lab.initramfs import EVENT
-from freepage_lab.scenarios import prezero, prezero_cost, prezero_footprint
+from freepage_lab.scenarios import prezero, prezero_cost, prezero_cpu, prezero_footprint
 from freepage_lab.shell import LabError, Shell
 
 
@@ -239,3 +239,49 @@ def test_cost_refuses_bad_cpu_params(tmp_path, bad, why):
     scen = prezero_cost.PrezeroCost()
     with pytest.raises(LabError, match=why):
         scen.run(ctx, scen.params(bad))
+
+
+def test_cpu_script_sets_each_cap_once_per_repetition():
+    p = prezero_cpu.PrezeroCpuParams(caps=(5, 10, 25), repeat=2, window_s=1)
+    script = prezero_cpu.guest_script(p)
+    sh_syntax_ok(script)
+    lines = script.splitlines()
+    caps = [ln.split()[1] for ln in lines if ln.endswith("/cpu_percent")]
+    assert caps == ["5", "10", "25", "10", "25", "5"]
+    assert script.count("sleep 1\n") == 6 and script.count(" start cpu_ns ") == 6
+
+
+def test_cpu_windows_give_the_share_of_each_cap():
+    lines = [f"{EVENT} cpu 10 0 start cpu_ns 0 exact 1 uptime_ms 1000 marked 0",
+             f"{EVENT} cpu 10 0 end cpu_ns 99000000 exact 1 uptime_ms 2000 marked 25600",
+             f"{EVENT} cpu 5 0 start cpu_ns 5 exact 1 uptime_ms 3000 marked 25600",
+             f"{EVENT} cpu 5 0 end cpu_ns 60000005 exact 0 uptime_ms 4000 marked 500000",
+             f"{EVENT} cpu 25 0 start cpu_ns 0 exact 1 uptime_ms 5000 marked 0"]
+    ws = prezero_cpu.windows(lines, 1536)
+    assert [(w.cap, round(w.share, 3), w.cleared_mib, w.exact) for w in ws] == [
+        (5, 0.06, (500000 - 25600) / 256, False), (10, 0.099, 100.0, True)]
+    p = prezero_cpu.PrezeroCpuParams(caps=(5, 10, 25))
+    data = prezero_cpu.summarise_run(p, ws)
+    assert data["caps"]["5"]["over_cap"] == 1 and data["caps"]["10"]["over_cap"] == 0
+    assert data["caps"]["10"]["saturated"] == 1 and data["caps"]["5"]["saturated"] == 0
+    text = prezero_cpu.render(data)
+    assert "9.90%" in text and "6.00% [6.00-6.00] *" in text
+
+
+@pytest.mark.parametrize("bad", [{"caps": "0"}, {"caps": "x"}, {"window_s": "0"},
+                                 {"pool_mib": "4096"}])
+def test_cpu_refuses_bad_params(tmp_path, bad):
+    from freepage_lab.context import RunContext
+
+    ctx = RunContext(shell=Shell(dry_run=True), run_dir=tmp_path, platform="qemu")
+    scen = prezero_cpu.PrezeroCpu()
+    with pytest.raises(LabError, match="prezero_cpu"):
+        scen.run(ctx, scen.params(bad))
+
+
+def test_cpu_runs_on_qemu_only(tmp_path):
+    from freepage_lab.context import RunContext
+
+    ctx = RunContext(shell=Shell(dry_run=True), run_dir=tmp_path, platform="uml")
+    with pytest.raises(LabError, match="QEMU"):
+        prezero_cpu.PrezeroCpu().run(ctx, prezero_cpu.PrezeroCpuParams())

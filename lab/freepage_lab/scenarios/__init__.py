@@ -66,6 +66,7 @@ def registry() -> dict[str, Scenario]:
     from .pagefault import Pagefault
     from .prezero import Prezero
     from .prezero_cost import PrezeroCost
+    from .prezero_cpu import PrezeroCpu
     from .prezero_footprint import PrezeroFootprint
     from .realloc import Realloc
     from .reclaim import ReclaimScenario
@@ -77,7 +78,8 @@ def registry() -> dict[str, Scenario]:
 
     return {s.name: s for s in (ReclaimScenario(), Realloc(), Migrate(), Zeroskip(), Zeromix(),
                                 Zerobench(), Zerofirst(), Split(), Churn(), Pagefault(),
-                                Idle(), Prezero(), PrezeroCost(), PrezeroFootprint())}
+                                Idle(), Prezero(), PrezeroCost(), PrezeroCpu(),
+                                PrezeroFootprint())}
 
 
 def get(name: str) -> Scenario:

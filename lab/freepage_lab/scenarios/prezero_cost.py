@@ -90,13 +90,13 @@ class PrezeroCostParams:
     hold_cpu: int = 0
 
 
-def guest_script(p: PrezeroCostParams, variant: str, wss_kib: int) -> str:
-    lines = [
-        shell_helpers(),
-        # CPU time of kprezerod in ns, 0 while it does not exist: the
-        # scheduler's own runtime (/proc/<pid>/schedstat, CONFIG_SCHED_INFO,
-        # which bench.config turns on) where there is one, else utime +
-        # stime, in ticks, which miss a thread that runs between ticks
+def kcpu_function() -> str:
+    """Shell function kcpu: prints kprezerod's CPU time in ns and where it
+    came from: "schedstat" (the scheduler's runtime, CONFIG_SCHED_INFO,
+    which bench.config turns on; exact where sched_clock() is, e.g. x86,
+    in jiffies on UML), "ticks" (utime + stime, which miss a thread that
+    runs between ticks) or "none" (no thread yet: exactly 0)."""
+    return "\n".join([
         "kcpu() {",
         "\tfor s in /proc/[0-9]*/stat; do",
         "\t\tcase \"$(cat $s 2>/dev/null)\" in *'(kprezerod)'*)",
@@ -108,6 +108,13 @@ def guest_script(p: PrezeroCostParams, variant: str, wss_kib: int) -> str:
         "\tdone",
         "\techo '0 none'",
         "}",
+    ])
+
+
+def guest_script(p: PrezeroCostParams, variant: str, wss_kib: int) -> str:
+    lines = [
+        shell_helpers(),
+        kcpu_function(),
         f"[ -d {PREZERO_DIR} ] || {{ echo 'prezero_cost: no {PREZERO_DIR}' >&2; exit 3; }}",
     ]
     if variant in NOCACHE:
@@ -116,12 +123,12 @@ def guest_script(p: PrezeroCostParams, variant: str, wss_kib: int) -> str:
         lines += [
             f"populate --mib {p.pool_mib} --mode 4k --fill 0xa5 --tag pool",
             f"set -- $(kcpu); echo \"{EVENT} window {i} cpu_ns $1 cpu_src_schedstat "
-            f"$([ \"$2\" = schedstat ] && echo 1 || echo 0) uptime_cs $(awk '{{printf \"%d\", "
+            f"$([ \"$2\" = ticks ] && echo 0 || echo 1) uptime_cs $(awk '{{printf \"%d\", "
             f"$1 * 100}}' /proc/uptime) $(vm)\"",
             f"cachewalk --kib {wss_kib} --seconds {p.walk_s} --busy-ms {p.busy_ms} "
             f"--sleep-ms {p.sleep_ms} --tag {i}",
             f"set -- $(kcpu); echo \"{EVENT} window {i} cpu_ns $1 cpu_src_schedstat "
-            f"$([ \"$2\" = schedstat ] && echo 1 || echo 0) uptime_cs $(awk '{{printf \"%d\", "
+            f"$([ \"$2\" = ticks ] && echo 0 || echo 1) uptime_cs $(awk '{{printf \"%d\", "
             f"$1 * 100}}' /proc/uptime) $(vm)\"",
         ]
     lines.append("knob enabled 0")
@@ -277,6 +284,7 @@ def render(data: dict[str, Any], variants: tuple[str, ...]) -> str:
             f"{p['sleep_ms']} ms asleep, {p['walk_s']} s per walk, {p['pool_mib']} MiB dirty pool; "
             "ns per access median [min-max] over walks, ratio to off with bootstrap 95% interval; "
             "kprezerod CPU = its CPU time over the walk's wall time, cpu_percent=10; "
-            "from the scheduler's runtime, or ticks where marked *)\n"
+            "from the scheduler's runtime, which UML keeps in jiffies, or ticks where "
+            "marked *)\n"
             + table(["variant", "refill ns", "refill/off", "walk ns", "walk/off",
                      "kprezerod CPU", "MiB cleared/walk", "aborted pages", "n"], rows))
