@@ -119,16 +119,16 @@ def test_cost_script_walks_while_the_pool_is_cleared(variant):
 
 
 def test_cost_windows_give_cpu_share_and_marked_pages():
-    lines = [f"{EVENT} window 0 cpu_ns 50000000 cpu_src_schedstat 1 uptime_cs 1000 "
+    lines = [f"{EVENT} window 0 cpu_ns 50000000 exact 1 uptime_cs 1000 "
              "pgzero_marked_prezero 0 pgzero_prezero_aborted 0",
              '{"prog":"cachewalk"}',
-             f"{EVENT} window 0 cpu_ns 250000000 cpu_src_schedstat 1 uptime_cs 1200 "
+             f"{EVENT} window 0 cpu_ns 250000000 exact 1 uptime_cs 1200 "
              "pgzero_marked_prezero 262144 pgzero_prezero_aborted 32"]
     w = prezero_cost.windows(lines)
     assert list(w) == [0]
     assert prezero_cost.cpu_share(*w[0]) == (pytest.approx(0.1), True)
     # a snapshot from ticks makes the share inexact
-    ticks = dict(w[0][1], cpu_src_schedstat=0)
+    ticks = dict(w[0][1], exact=0)
     assert prezero_cost.cpu_share(w[0][0], ticks)[1] is False
 
 

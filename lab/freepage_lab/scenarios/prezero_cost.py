@@ -111,6 +111,13 @@ def kcpu_function() -> str:
     ])
 
 
+def kcpu_snapshot(prefix: str) -> str:
+    """A shell line that echoes `prefix` followed by "cpu_ns N exact 0|1"
+    (exact: not from ticks), for kcpu_function()'s kcpu."""
+    return (f"set -- $(kcpu); echo \"{prefix} cpu_ns $1 exact "
+            "$([ \"$2\" = ticks ] && echo 0 || echo 1)")
+
+
 def guest_script(p: PrezeroCostParams, variant: str, wss_kib: int) -> str:
     lines = [
         shell_helpers(),
@@ -120,16 +127,14 @@ def guest_script(p: PrezeroCostParams, variant: str, wss_kib: int) -> str:
     if variant in NOCACHE:
         lines += [f"knob nocache {NOCACHE[variant]}", "knob enabled 1"]
     for i in range(p.walks):
+        snap = (kcpu_snapshot(f"{EVENT} window {i}")
+                + " uptime_cs $(awk '{printf \"%d\", $1 * 100}' /proc/uptime) $(vm)\"")
         lines += [
             f"populate --mib {p.pool_mib} --mode 4k --fill 0xa5 --tag pool",
-            f"set -- $(kcpu); echo \"{EVENT} window {i} cpu_ns $1 cpu_src_schedstat "
-            f"$([ \"$2\" = ticks ] && echo 0 || echo 1) uptime_cs $(awk '{{printf \"%d\", "
-            f"$1 * 100}}' /proc/uptime) $(vm)\"",
+            snap,
             f"cachewalk --kib {wss_kib} --seconds {p.walk_s} --busy-ms {p.busy_ms} "
             f"--sleep-ms {p.sleep_ms} --tag {i}",
-            f"set -- $(kcpu); echo \"{EVENT} window {i} cpu_ns $1 cpu_src_schedstat "
-            f"$([ \"$2\" = ticks ] && echo 0 || echo 1) uptime_cs $(awk '{{printf \"%d\", "
-            f"$1 * 100}}' /proc/uptime) $(vm)\"",
+            snap,
         ]
     lines.append("knob enabled 0")
     return "\n".join(lines) + "\n"
@@ -151,7 +156,7 @@ def cpu_share(a: dict[str, int], b: dict[str, int]) -> tuple[float, bool]:
     both came from the scheduler's runtime (schedstat) rather than ticks."""
     wall_s = (b["uptime_cs"] - a["uptime_cs"]) / 100
     share = (b["cpu_ns"] - a["cpu_ns"]) / 1e9 / wall_s if wall_s > 0 else 0.0
-    return share, bool(a["cpu_src_schedstat"] and b["cpu_src_schedstat"])
+    return share, bool(a["exact"] and b["exact"])
 
 
 def windows(lines: list[str]) -> dict[int, list[dict[str, int]]]:

@@ -30,7 +30,7 @@ from ..shell import LabError
 from ..stats import summarise
 from . import Outcome, Scenario, run_checked, table
 from .prezero import PREZERO_DIR, icount_args
-from .prezero_cost import kcpu_function
+from .prezero_cost import kcpu_function, kcpu_snapshot
 
 
 @dataclass
@@ -63,10 +63,8 @@ def order(caps: tuple[int, ...], rep: int) -> list[int]:
 
 
 def guest_script(p: PrezeroCpuParams) -> str:
-    snap = ("set -- $(kcpu); echo \"{ev} cpu {cap} {rep} {when} cpu_ns $1 exact "
-            "$([ \"$2\" = ticks ] && echo 0 || echo 1) uptime_ms "
-            "$(awk '{{printf \"%d\", $1 * 1000}}' /proc/uptime) marked "
-            "$(awk '/^pgzero_marked_prezero /{{print $2}}' /proc/vmstat)\"")
+    rest = (" uptime_ms $(awk '{printf \"%d\", $1 * 1000}' /proc/uptime) marked "
+            "$(awk '/^pgzero_marked_prezero /{print $2}' /proc/vmstat)\"")
     lines = [kcpu_function(),
              f"[ -d {PREZERO_DIR} ] || {{ echo 'prezero_cpu: no {PREZERO_DIR}' >&2; exit 3; }}"]
     for rep in range(p.repeat):
@@ -75,9 +73,9 @@ def guest_script(p: PrezeroCpuParams) -> str:
                 f"populate --mib {p.pool_mib} --mode 4k --fill 0xa5 --tag pool >/dev/null",
                 f"echo {cap} > {PREZERO_DIR}/cpu_percent",
                 f"echo 1 > {PREZERO_DIR}/enabled",
-                snap.format(ev=EVENT, cap=cap, rep=rep, when="start"),
+                kcpu_snapshot(f"{EVENT} cpu {cap} {rep} start") + rest,
                 f"sleep {p.window_s}",
-                snap.format(ev=EVENT, cap=cap, rep=rep, when="end"),
+                kcpu_snapshot(f"{EVENT} cpu {cap} {rep} end") + rest,
                 f"echo 0 > {PREZERO_DIR}/enabled",
             ]
     return "\n".join(lines) + "\n"
