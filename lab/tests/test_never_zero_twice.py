@@ -116,24 +116,40 @@ def test_deflated_pages_are_known_zero_under_bit_7(tmp_path):
     (the device set their bits in the inflate bitmap) and read as zero.
 
     Reporting is off in the daemon so that only deflate produces zero pages;
-    the debug kernel verifies every page whose zeroing it skips.
+    the debug kernel verifies every page whose zeroing it skips. The guest
+    then faults in all but 24 MiB of its free memory, so that the deflated
+    pages are used up wherever the allocator left them on the free lists:
+    a deflated page either comes back as a skipped clearing or lost its
+    state in a merge with a non-zero buddy.
+
+    The guest waits for the deflate with shell builtins and a slow poll:
+    processes forked during the inflate take pages next to the balloon's and
+    free them again, and a deflated page that merges with such a free buddy
+    loses its state. A fork every 100 ms lost up to 55% of the deflated
+    pages this way (CI of stop 17) and made the test flaky; docs/results.md §3.5.
     """
     from freepage_lab.backend import BalloonBackend
     from freepage_lab.initramfs import EVENT
 
-    ctx = ctx_for(tmp_path, "uml")
+    ctx = RunContext(shell=Shell(), run_dir=tmp_path, platform="uml", patched=True,
+                     variant="debug")
     pages = 16384  # 64 MiB
-    vmstat = "grep -E '^pgzero_(marked_freed|skipped|missed) ' /proc/vmstat | tr '\\n' ' '"
+    vmstat = ("grep -E '^pgzero_(marked_freed|merge_lost|skipped|missed|verify_failed) '"
+              " /proc/vmstat | tr '\\n' ' '")
     script = f"""echo 1000 > /proc/sys/vm/percpu_pagelist_high_fraction
 populate --mib 256 --mode 4k --fill 165 --tag warm
 echo "{EVENT} warmed $({vmstat})"
 i=0
-until [ "$(awk '/^pgzero_marked_freed /{{print $2}}' /proc/vmstat)" -ge {pages} ]; do
-  i=$((i+1)); [ $i -gt 600 ] && {{ echo 'deflated pages never marked zero' >&2; exit 5; }}
-  sleep 0.1
+marked() {{ while read -r k v; do [ "$k" = pgzero_marked_freed ] && return; done < /proc/vmstat; }}
+marked
+until [ "$v" -ge {pages} ]; do
+  i=$((i+1)); [ $i -gt 120 ] && {{ echo 'deflated pages never marked zero' >&2; exit 5; }}
+  sleep 0.5
+  marked
 done
 echo "{EVENT} deflated $({vmstat})"
-populate --mib 200 --mode 4k --verify --tag measure
+free_mib=$(awk '/^MemFree:/{{print int($2 / 1024)}}' /proc/meminfo)
+populate --mib $((free_mib - 24)) --mode 4k --verify --tag measure
 echo "{EVENT} populated $({vmstat})"
 """
     backend = BalloonBackend(ctx.shell, tmp_path / "balloon.sock", ctx.log("backend"),
@@ -154,11 +170,23 @@ echo "{EVENT} populated $({vmstat})"
     assert "DEVICE_INIT_ON_INFLATE" in names, names
     events = {m.split()[1]: dict(zip(m.split()[2::2], map(int, m.split()[3::2])))
               for m in (ln.text for ln in g.lines) if m.startswith(EVENT + " ")}
-    marked = events["deflated"]["pgzero_marked_freed"] - events["warmed"]["pgzero_marked_freed"]
-    skipped = events["populated"]["pgzero_skipped"] - events["deflated"]["pgzero_skipped"]
-    print(f"deflated {pages} pages: {marked} marked zero, {skipped} zeroing allocations skipped")
+
+    def delta(name, start, end):
+        return events[end][name] - events[start][name]
+
+    marked = delta("pgzero_marked_freed", "warmed", "deflated")
+    lost = delta("pgzero_merge_lost", "warmed", "populated")
+    skipped = delta("pgzero_skipped", "deflated", "populated")
+    print(f"deflated {pages} pages: {marked} marked zero, {lost} lost in merges, "
+          f"{skipped} zeroing allocations skipped")
     assert marked >= pages, events
-    assert skipped >= 0.5 * pages, events
+    # the KUnit suites at boot fail the check on purpose; the run must add none
+    assert delta("pgzero_verify_failed", "warmed", "populated") == 0, events
+    # what was neither lost nor allocated is left on the free lists (24 MiB at most)
+    assert skipped + lost >= marked - 24 * 256, events
+    # a quiet guest loses 1-6% in merges (docs/results.md §3.5); losing a
+    # quarter means the deflated pages no longer stay together
+    assert skipped >= 0.75 * pages, events
     assert not [ln.text for ln in g.lines if "WARNING" in ln.text]
 
 
