@@ -113,6 +113,7 @@ def test_prezeroed_pages_are_consumed_and_verified_zero(tmp_path):
 
 
 HUGE_PAGES = 64  # 128 MiB of 2 MiB pages: quick under TCG
+MAX_ORDER = 10  # MAX_PAGE_ORDER: above any reporting order
 
 
 def hugetlb_script() -> str:
@@ -124,11 +125,16 @@ ev start all
 populate --mib {HUGE_PAGES * 2} --mode hugetlb --fill 0xa5 --tag dirty
 ev dirtied all
 echo 100 > {PREZERO_DIR}/cpu_percent
+echo {MAX_ORDER} > {PREZERO_DIR}/min_order
 echo 1 > {PREZERO_DIR}/enabled
 prezero_wait 120 all
 ev warm all
+sleep {IDLE_S}
+ev idle all
 populate --mib {HUGE_PAGES * 2} --mode hugetlb --verify --tag measure
 ev measured all
+prezero_wait 120 all
+ev rewarm all
 echo 0 > {PREZERO_DIR}/enabled
 """
 
@@ -139,11 +145,19 @@ def test_hugetlb_pool_is_prezeroed_and_verified_zero_on_qemu(tmp_path):
     populate that consumes the pool reads zero with the debug check on. A
     clear that gave up was once returned as a huge positive page count (an
     unsigned conditional): the counter showed 10^15 pages and, without the
-    CPU budget's sleeps, the thread never let the guest run again."""
+    CPU budget's sleeps, the thread never let the guest run again.
+
+    Once the pool is all zero, the thread must not walk its free lists
+    (hugetlb_lock, interrupts off) every second: before the pool kept a
+    record of a clean walk, `pgzero_prezero_scans` grew by one a second
+    over the IDLE_S idle seconds after the pool was warm; the folios that a
+    populate used and freed must still be cleared again. The zones stay
+    out of it: with a reporting balloon, pre-zeroing takes only orders
+    below the reporting order, and min_order is set above it."""
     ctx = RunContext(shell=Shell(), run_dir=tmp_path, platform="qemu", accel="tcg",
                      patched=True)
     cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("prezero-hugetlb", hugetlb_script()),
-                      mem_mib=1024, balloon=False)
+                      mem_mib=1024, balloon=True)
     with ctx.runner().guest("prezero-hugetlb", cfg, ctx.log("prezero-hugetlb")) as g:
         rc = g.wait_exit(600)
         lines = [ln.text for ln in g.lines]
@@ -160,6 +174,12 @@ def test_hugetlb_pool_is_prezeroed_and_verified_zero_on_qemu(tmp_path):
     assert measured[0]["nonzero_bytes"] == 0, measured
     assert delta(events, "all", "start", "measured")["pgzero_verify_failed"] == 0
     assert used["pgzero_prezero_hugetlb"] == 0, used
+    assert delta(events, "all", "dirtied", "idle")["pgzero_marked_prezero"] == 0, events
+    idle = delta(events, "all", "warm", "idle")
+    assert idle["pgzero_prezero_scans"] <= 3, f"{idle} in {IDLE_S} idle seconds"
+    # the folios the populate used come back to the pool and wake the walks
+    rewarm = delta(events, "all", "measured", "rewarm")
+    assert rewarm["pgzero_prezero_hugetlb"] == pool, rewarm
 
 
 IDLE_S = 10

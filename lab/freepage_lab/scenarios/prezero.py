@@ -51,7 +51,7 @@ from .zeroskip import LIMIT_PATCH
 PREZERO_DIR = "/sys/kernel/mm/prezero"
 COUNTERS = ("pgzero_marked_prezero", "pgzero_prezero_aborted", "pgzero_prezero_hugetlb",
             "pgzero_skipped", "pgzero_missed", "pgzero_merge_lost", "pgzero_verify_failed",
-            "pgzero_marked_reported")
+            "pgzero_marked_reported", "pgzero_prezero_scans")
 VARIANTS = ("vanilla", "off", "on", "limit")
 PLATFORM_MODES = {"uml": ("4k", "kzero9", "kzero0"), "qemu": ("thp", "4k", "hugetlb")}
 POPULATE_MODES = ("4k", "thp", "hugetlb")
