@@ -126,7 +126,8 @@ def test_deflated_pages_are_known_zero_under_bit_7(tmp_path):
     processes forked during the inflate take pages next to the balloon's and
     free them again, and a deflated page that merges with such a free buddy
     loses its state. A fork every 100 ms lost up to 55% of the deflated
-    pages this way (CI of stop 17) and made the test flaky; docs/results.md §3.5.
+    pages this way, which would make the test flaky; see "Deflated pages and
+    merges" in docs/results/never-zero-twice.md.
     """
     from freepage_lab.backend import BalloonBackend
     from freepage_lab.initramfs import EVENT
@@ -184,7 +185,7 @@ echo "{EVENT} populated $({vmstat})"
     assert delta("pgzero_verify_failed", "warmed", "populated") == 0, events
     # what was neither lost nor allocated is left on the free lists (24 MiB at most)
     assert skipped + lost >= marked - 24 * 256, events
-    # a quiet guest loses 1-6% in merges (docs/results.md §3.5); losing a
+    # a quiet guest loses 1-6% in merges (docs/results/never-zero-twice.md); losing a
     # quarter means the deflated pages no longer stay together
     assert skipped >= 0.75 * pages, events
     assert not [ln.text for ln in g.lines if "WARNING" in ln.text]

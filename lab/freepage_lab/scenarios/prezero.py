@@ -1,4 +1,4 @@
-"""prezero: populate from a warm pool of pre-zeroed pages (issue 12).
+"""prezero: populate from a warm pool of pre-zeroed pages.
 
 Variants, interleaved per repetition (ABBA order) in one run:
   vanilla  stock 6.12
@@ -316,7 +316,7 @@ def summarise_run(p: PrezeroParams, modes: Sequence[str],
                         "marked_while_warming": marked, "during_measure": tot,
                         "nonzero_bytes": sum(m.nonzero_bytes for m in ms),
                         # upper bound: with target_percent=100 the pool is all free
-                        # memory, more than one run consumes (see docs/results.md)
+                        # memory, more than one run consumes (docs/results/prezero.md)
                         "unconsumed_share": (marked - skipped) / marked if marked else None}
         for key, a, b in (("speedup_on_over_vanilla", "on", "vanilla"),
                           ("speedup_off_over_vanilla", "off", "vanilla"),
