@@ -22,6 +22,7 @@ test: deps lint test-lab test-guest test-kernel test-qemu test-backend test-boot
 lint: deps
 	$(VENV)/bin/ruff check lab
 	$(VENV)/bin/mypy lab/freepage_lab
+	bash scripts/check-wording.sh
 
 test-lab: deps
 	$(VENV)/bin/pytest -q -m "not slow" lab/tests
