@@ -1,4 +1,4 @@
-"""Zero means zero across a live migration (issue 10, hole 1).
+"""Zero means zero across a live migration: discarded pages reach the destination as zeroes.
 
 A guest on the patched QEMU with free page reporting and bit 6
 (VIRTIO_BALLOON_F_DEVICE_INIT_REPORTED, proposed, not allocated) holds

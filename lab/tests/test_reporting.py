@@ -1,4 +1,4 @@
-"""Free page reporting that gives memory back in under a second (issue 11), on real guests.
+"""Free page reporting that gives memory back in under a second, on real guests.
 
 (a) UML + vhost-user-balloon and (b) QEMU (x86_64, TCG, Debian's QEMU 10):
 the guest frees 256 MiB of 4 KiB pages with the kernel's DEFAULT per-cpu

@@ -38,7 +38,7 @@ REPORTING_SYSFS = "/sys/kernel/mm/page_reporting"
 REPORTING_COUNTERS = ("passes", "time_us", "reported_pages", "pcp_drained_pages", "reused_pages")
 COUNTER_TAG = "REPORTING-COUNTER"
 STOCK250_PATCH = "stock-delay-250ms.patch"
-# the goals of issue 11: (fraction of the freed memory, within seconds)
+# reclaim goals: (fraction of the freed memory, within seconds of the free)
 GOALS = ((0.90, 1.0), (0.99, 2.0))
 
 
