@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # check-wording.sh: the project speaks of the project, not of how it was
 # made. Fails when a tracked file names a work session, a stop or an issue
-# by its number, or says "this session": docs, READMEs, code comments,
+# by its number, or speaks of "this" session: docs, READMEs, code comments,
 # the kernel and QEMU patches, the lab, guest/ and vhost-user-balloon/.
 # Such text means nothing to a reader of the repository; name the
 # behaviour instead ("kprezerod charges its whole slice to the CPU budget").
