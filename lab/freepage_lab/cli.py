@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import demo, insntrace, kernel, paths, qemu, scenarios
+from . import demo, insntrace, kernel, paths, prefixbuild, qemu, scenarios
 from . import guest as guest_mod
 from .context import RunContext
 from .demo import medians
@@ -47,19 +47,25 @@ def cmd_build(args: argparse.Namespace, shell: Shell) -> int:
 def cmd_series(args: argparse.Namespace, shell: Shell) -> int:
     if args.qemu:
         return cmd_qemu(args, shell)
-    queue = kernel.QUEUES[args.queue or "never-zero-twice"]
     tree = Path(args.dir) if args.dir else paths.KERNEL_DIR / "tree"
+    if args.action in ("tree", "export", "build-each"):
+        # the top series of the x86/UML kernels, with every series it requires
+        queue = kernel.QUEUES[args.queue or kernel.queue_for("x86_64").name]
     if args.action == "tree":
-        kernel.materialise(shell, kernel.Series.load(queue.patch_dir), tree)
-        print(f"work tree ready: {tree} (base tag freepage-base)")
+        kernel.materialise(shell, queue, tree)
+        tags = ", ".join(kernel.series_tag(q) for q in kernel.stack(queue))
+        print(f"work tree ready: {tree} (base tag freepage-base; series end at {tags})")
         return 0
     if args.action == "export":
-        names = kernel.export(shell, tree, queue.patch_dir)
-        print(f"exported {len(names)} patches to {queue.patch_dir}")
+        for name, names in kernel.export_stack(shell, tree, queue).items():
+            print(f"exported {len(names)} patches to {kernel.QUEUES[name].patch_dir}")
         return 0
-    # each series applies to pristine 6.12 on its own
-    queues = [queue] if args.queue else list(kernel.QUEUES.values())
-    return report([kernel.check(shell, kernel.Series.load(q.patch_dir), q.name) for q in queues])
+    if args.action == "build-each":
+        arches = tuple(a for a in args.arch.split(",") if a)
+        return report([prefixbuild.build_each(shell, queue, arches, not args.no_kunit)])
+    # each series applies to pristine 6.12 after the series it requires
+    queues = [kernel.QUEUES[args.queue]] if args.queue else list(kernel.QUEUES.values())
+    return report([kernel.check(shell, q) for q in queues])
 
 
 def cmd_qemu(args: argparse.Namespace, shell: Shell) -> int:
@@ -193,7 +199,7 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="build guest kernels (cached)")
     b.add_argument("--arch", choices=(*kernel.ARCHES, "all"), default="all")
     b.add_argument("--variant", choices=kernel.VARIANTS, default="release")
-    b.add_argument("--vanilla", action="store_true", help="do not apply kernel/patches")
+    b.add_argument("--vanilla", action="store_true", help="stock kernel: apply none of the kernel series")
     b.add_argument("--fragment", action="append", default=[],
                    help="extra config fragment from kernel/configs (repeatable)")
     b.add_argument("--patch", action="append", default=[],
@@ -201,14 +207,20 @@ def parser() -> argparse.ArgumentParser:
                    "the series (repeatable), e.g. split-walk-stats.patch for arm64")
     b.set_defaults(func=cmd_build)
 
-    s = sub.add_parser("series", help="patch queue: work tree, export, check")
-    s.add_argument("action", choices=("tree", "export", "check"))
+    s = sub.add_parser("series", help="kernel patch series: work tree, export, check, "
+                       "build every patch")
+    s.add_argument("action", choices=("tree", "export", "check", "build-each"))
     s.add_argument("dir", nargs="?", default=None,
                    help="git work tree (tree: created; export: read); "
                    "default kernel/tree (qemu/tree with --qemu)")
     s.add_argument("--qemu", action="store_true", help="the QEMU queue (qemu/) instead")
     s.add_argument("--queue", choices=sorted(kernel.QUEUES),
-                   help="which kernel series (default: never-zero-twice; check: every series)")
+                   help="which kernel series, with the series it requires (default: prezero, "
+                   "i.e. all three x86/UML series; check: every series)")
+    s.add_argument("--arch", default=",".join(prefixbuild.ARCHES),
+                   help="build-each: comma-separated arches to build at every patch")
+    s.add_argument("--no-kunit", action="store_true",
+                   help="build-each: do not run the UML KUnit suites where a patch changes them")
     s.set_defaults(func=cmd_series)
 
     q = sub.add_parser("qemu", help="QEMU patch queue (qemu/): build, work tree, export, check")

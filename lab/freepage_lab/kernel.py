@@ -25,26 +25,41 @@ PATCHED_FRAGMENTS = ("never-zero-twice.config",)
 
 @dataclass(frozen=True)
 class Queue:
-    """One patch series with its test-only patches and the fragments of its builds."""
+    """One patch series (kernel/<name>/patches), the series it applies on
+    top of, its test-only patches and the fragments of its builds."""
 
     name: str
-    patch_dir: Path
     bench_dir: Path
     fragments: tuple[str, ...]
+    # series applied before this one, in order (its cover letter says so)
+    requires: tuple[str, ...] = ()
+
+    @property
+    def patch_dir(self) -> Path:
+        return paths.KERNEL_DIR / self.name / "patches"
 
 
 QUEUES = {
-    "never-zero-twice": Queue("never-zero-twice", paths.PATCH_DIR, paths.KERNEL_DIR / "bench",
-                              PATCHED_FRAGMENTS),
-    # independent of never-zero-twice: applies to pristine 6.12 on its own
-    "arm64-split": Queue("arm64-split", paths.KERNEL_DIR / "arm64-split" / "patches",
-                         paths.KERNEL_DIR / "arm64-split" / "bench", ("arm64-split.config",)),
+    # applies to pristine 6.12 on its own
+    "page-reporting": Queue("page-reporting", paths.KERNEL_DIR / "bench", PATCHED_FRAGMENTS),
+    "never-zero-twice": Queue("never-zero-twice", paths.KERNEL_DIR / "bench", PATCHED_FRAGMENTS,
+                              ("page-reporting",)),
+    "prezero": Queue("prezero", paths.KERNEL_DIR / "bench", PATCHED_FRAGMENTS,
+                     ("page-reporting", "never-zero-twice")),
+    # independent of the others: applies to pristine 6.12 on its own
+    "arm64-split": Queue("arm64-split", paths.KERNEL_DIR / "arm64-split" / "bench",
+                         ("arm64-split.config",)),
 }
 
 
+def stack(queue: Queue) -> list[Queue]:
+    """The series to apply for `queue`, in order, ending with it."""
+    return [QUEUES[name] for name in queue.requires] + [queue]
+
+
 def queue_for(arch: str) -> Queue:
-    """The series a patched kernel of this arch carries."""
-    return QUEUES["arm64-split" if arch == "arm64" else "never-zero-twice"]
+    """The top series a patched kernel of this arch carries (with what it requires)."""
+    return QUEUES["arm64-split" if arch == "arm64" else "prezero"]
 
 
 # --------------------------------------------------------------------------
@@ -95,7 +110,7 @@ def base_tree(shell: Shell) -> Path:
 
 @dataclass(frozen=True)
 class Series:
-    """kernel/patches/series: the patch files to apply, in order."""
+    """A `series` file's patches (kernel/<series>/patches/series), in order."""
 
     directory: Path
     names: tuple[str, ...]
@@ -117,7 +132,17 @@ class Series:
 
     @classmethod
     def empty(cls) -> Series:
-        return cls(paths.PATCH_DIR, ())
+        return cls(paths.KERNEL_DIR, ())
+
+    @classmethod
+    def stacked(cls, queue: Queue) -> Series:
+        """Every patch of `queue` and the series it requires, in the order
+        they apply, named relative to kernel/."""
+        names: list[str] = []
+        for q in stack(queue):
+            rel = q.patch_dir.relative_to(paths.KERNEL_DIR)
+            names += [f"{rel}/{n}" for n in cls.load(q.patch_dir).names]
+        return cls(paths.KERNEL_DIR, tuple(names))
 
     @property
     def files(self) -> list[Path]:
@@ -151,9 +176,17 @@ def applied_tree(shell: Shell, series: Series) -> Path:
                                    "base tree")
 
 
-def materialise(shell: Shell, series: Series, dest: Path) -> None:
-    """A git work tree: base commit = pristine source, then one commit per patch."""
-    patchqueue.work_tree(shell, base_tree(shell), dest, series,
+def series_tag(queue: Queue) -> str:
+    """The tag at the last commit of a series in a work tree."""
+    return f"series/{queue.name}"
+
+
+def materialise(shell: Shell, queue: Queue, dest: Path) -> None:
+    """A git work tree: base commit = pristine source, then one commit per
+    patch of `queue` and the series it requires, each series ending at its
+    tag (series_tag())."""
+    groups = [(series_tag(q), Series.load(q.patch_dir)) for q in stack(queue)]
+    patchqueue.work_tree(shell, base_tree(shell), dest, groups,
                          f"base: {paths.BASE_PACKAGE} {base_version(shell)}", "base tree")
 
 
@@ -183,11 +216,14 @@ def carry_cover(old: str, new: str) -> str:
     return new.replace("*** BLURB HERE ***", body, 1)
 
 
-def export(shell: Shell, tree: Path, directory: Path = paths.PATCH_DIR) -> list[str]:
-    """Write the tree's commits since freepage-base back as the patch queue."""
+def export(shell: Shell, tree: Path, directory: Path = paths.PATCH_DIR,
+           start: str = "freepage-base", end: str = "HEAD") -> list[str]:
+    """Write the tree's commits start..end back as the patch queue in
+    `directory`; the cover letter names the base (base-commit, and the
+    prerequisite-patch-id of every commit between base and start)."""
     # ask git first: a tree without the base tag must not cost the queue
-    count = shell.run(["git", "-C", tree, "rev-list", "--count", "freepage-base..HEAD"],
-                      capture=True, what="count commits (is freepage-base tagged?)").strip()
+    count = shell.run(["git", "-C", tree, "rev-list", "--count", f"{start}..{end}"],
+                      capture=True, what=f"count commits {start}..{end} (tags in place?)").strip()
     old_cover = directory / COVER
     kept = old_cover.read_text() if old_cover.is_file() else ""
     if not shell.dry_run:
@@ -197,8 +233,8 @@ def export(shell: Shell, tree: Path, directory: Path = paths.PATCH_DIR) -> list[
     if count == "0":
         names: list[str] = []
     else:
-        shell.run(["git", "-C", tree, "format-patch", "-q", "--cover-letter", "-o", directory,
-                   "freepage-base..HEAD"], what="git format-patch")
+        shell.run(["git", "-C", tree, "format-patch", "-q", "--cover-letter", "--base=freepage-base",
+                   "-o", directory, f"{start}..{end}"], what="git format-patch")
         names = sorted(p.name for p in directory.glob("*.patch") if not p.name.startswith("0000-"))
         if kept and not shell.dry_run:
             (directory / COVER).write_text(carry_cover(kept, (directory / COVER).read_text()))
@@ -207,13 +243,29 @@ def export(shell: Shell, tree: Path, directory: Path = paths.PATCH_DIR) -> list[
     return names
 
 
-def check(shell: Shell, series: Series, name: str = "never-zero-twice") -> StageResult:
-    """The series applies to the pristine base and is checkpatch --strict clean."""
-    finish = timed(f"check {name}")
+def export_stack(shell: Shell, tree: Path, queue: Queue) -> dict[str, list[str]]:
+    """Export every series of `queue`'s stack from a work tree made by
+    materialise(): each series is the commits up to its tag (the last one
+    up to HEAD, so that new commits on top belong to it)."""
+    out: dict[str, list[str]] = {}
+    start = "freepage-base"
+    queues = stack(queue)
+    for q in queues:
+        end = "HEAD" if q is queues[-1] else series_tag(q)
+        out[q.name] = export(shell, tree, q.patch_dir, start, end)
+        start = end
+    return out
+
+
+def check(shell: Shell, queue: Queue) -> StageResult:
+    """The series applies to the pristine base after the series it requires,
+    and its patches are checkpatch --strict clean."""
+    finish = timed(f"check {queue.name}")
     base = base_tree(shell)
-    patchqueue.check_applies(shell, base, series, "base tree")
+    patchqueue.check_applies(shell, base, Series.stacked(queue), "base tree")
+    own = Series.load(queue.patch_dir)
     problems = []
-    for patch in series.files:
+    for patch in own.files:
         try:
             shell.run([base / "scripts" / "checkpatch.pl", "--strict", "--quiet",
                        "--no-summary", patch], cwd=base, capture=True, what=f"checkpatch {patch.name}")
@@ -221,7 +273,8 @@ def check(shell: Shell, series: Series, name: str = "never-zero-twice") -> Stage
             problems.append(str(exc))
     if problems:
         return finish("failed", "\n".join(problems))
-    return finish("ok", f"{len(series.names)} patches apply and are checkpatch --strict clean")
+    on = f" on {', '.join(queue.requires)}" if queue.requires else " on pristine 6.12"
+    return finish("ok", f"{len(own.names)} patches apply{on} and are checkpatch --strict clean")
 
 
 # --------------------------------------------------------------------------
@@ -360,15 +413,15 @@ def build(shell: Shell, spec: BuildSpec, series: Series | None = None) -> BuiltK
     """
     queue = queue_for(spec.arch)
     if series is None:
-        series = Series.load(queue.patch_dir) if spec.patched else Series.empty()
+        series = Series.stacked(queue) if spec.patched else Series.empty()
     if not spec.patched:
-        series = Series(queue.patch_dir, ())
+        series = Series.empty()
     if spec.extra_patches:
         for name in spec.extra_patches:
             if not (queue.bench_dir / name).is_file():
                 raise LabError(f"test-only patch {queue.bench_dir / name} does not exist")
-        series = Series(series.directory,
-                        series.names + tuple(f"../bench/{n}" for n in spec.extra_patches))
+        series = Series(series.directory, series.names + tuple(
+            os.path.relpath(queue.bench_dir / n, series.directory) for n in spec.extra_patches))
     version = base_version(shell)
     key = build_key(spec, version, series)
     # a direct child of its source tree: see applied_tree()

@@ -49,10 +49,16 @@ def _apply(shell: Shell, base: Path, tree: Path, series: Series, what: str) -> N
                   what=f"apply {patch.name}")
 
 
-def work_tree(shell: Shell, base: Path, dest: Path, series: Series, base_subject: str,
-              what: str) -> None:
-    """A git work tree at `dest`: base commit = pristine source, then one
-    commit per patch, tagged freepage-base at the base."""
+# the base commit has fixed dates, so that its hash (the base-commit of the
+# cover letters) is the same in every work tree of the same base version
+BASE_DATE = {"GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z"}
+
+
+def work_tree(shell: Shell, base: Path, dest: Path, groups: list[tuple[str, Series]],
+              base_subject: str, what: str) -> None:
+    """A git work tree at `dest`: base commit = pristine source, tagged
+    freepage-base, then one commit per patch; each group of patches (a
+    series) ends at a tag of its name."""
     if dest.exists() and any(dest.iterdir()):
         raise LabError(f"{dest} exists and is not empty; remove it or pick another dir")
     shell.run(["cp", "-a", f"{base}/.", dest], what=f"copy {what}")
@@ -61,10 +67,12 @@ def work_tree(shell: Shell, base: Path, dest: Path, series: Series, base_subject
     shell.run([*git, "init", "-q"], what="git init")
     # Debian's kernel tree ignores everything in its top .gitignore ("/*")
     shell.run([*git, "add", "-f", "-A"], what="git add")
-    shell.run([*git, "commit", "-q", "-m", base_subject], what="git commit base")
+    shell.run([*git, "commit", "-q", "-m", base_subject], env=BASE_DATE, what="git commit base")
     shell.run([*git, "tag", "freepage-base"], what="git tag")
-    if series.files:
-        shell.run([*git, "am", "-q", *series.files], what="git am series")
+    for tag, series in groups:
+        if series.files:
+            shell.run([*git, "am", "-q", *series.files], what=f"git am {tag}")
+        shell.run([*git, "tag", "-f", tag], what=f"git tag {tag}")
 
 
 def check_applies(shell: Shell, base: Path, series: Series, what: str) -> None:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_DIR = REPO / "kernel"
-PATCH_DIR = KERNEL_DIR / "patches"
+# the zero tracking series (kernel.QUEUES names every series and its order)
+PATCH_DIR = KERNEL_DIR / "never-zero-twice" / "patches"
 CONFIG_DIR = KERNEL_DIR / "configs"
 QEMU_DIR = REPO / "qemu"
 QEMU_PATCH_DIR = QEMU_DIR / "patches"

@@ -137,7 +137,7 @@ def applied_tree(shell: Shell, series: Series) -> Path:
 
 def materialise(shell: Shell, series: Series, dest: Path) -> None:
     """A git work tree: base commit = pristine source, then one commit per patch."""
-    patchqueue.work_tree(shell, base_tree(shell), dest, series,
+    patchqueue.work_tree(shell, base_tree(shell), dest, [("series/qemu", series)],
                          f"base: qemu {BASE_VERSION} (Debian orig tarball)", "QEMU base tree")
 
 

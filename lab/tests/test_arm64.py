@@ -56,7 +56,8 @@ def test_arm64_image_and_fragments_come_from_the_split_series():
     stock = [f.name for f in kernel.BuildSpec("arm64", patched=False).fragments()]
     assert "arm64-split.config" not in stock
     assert kernel.queue_for("arm64").patch_dir == paths.KERNEL_DIR / "arm64-split" / "patches"
-    assert kernel.queue_for("x86_64").patch_dir == paths.PATCH_DIR
+    x86 = [q.name for q in kernel.stack(kernel.queue_for("x86_64"))]
+    assert x86 == ["page-reporting", "never-zero-twice", "prezero"]
 
 
 def test_arm64_config_asks_for_kvm_thp_and_hugetlbfs():

@@ -7,7 +7,7 @@ the order rotated per repeat so that drift hits every variant alike:
   off       stock 6.12, the device does not offer free page reporting
   stock     stock 6.12 (2 s delay, 1/16 of each free list per pass)
   stock250  stock 6.12 + kernel/bench/stock-delay-250ms.patch
-  freepage  the series (kernel/patches) with its default knobs
+  freepage  the kernel series (kernel/*/patches) with their default knobs
   context   whatever the run context stands for (--vanilla,
             --patched-qemu): the single-kernel behaviour of old
 """

@@ -1,0 +1,129 @@
+"""The kernel series as reviewers get them: one directory per feature, each
+applying on the series it names, messages that describe the code they carry."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from freepage_lab import kernel, paths, prefixbuild
+from freepage_lab.shell import Shell
+
+SERIES = ("page-reporting", "never-zero-twice", "prezero")
+
+# names of code that earlier versions had and the series no longer contains:
+# no commit message or cover letter may describe them as present
+REMOVED_NAMES = (
+    "assume_reported_zero",      # virtio_balloon override, replaced by bit 6
+    "reports_zeroed",            # old page_reporting_dev_info field
+    "page_reporting.flush",      # module parameter, now a sysfs attribute
+    "host_zeroes_pages",         # the RFC's module parameter
+    "__GFP_PREZEROED",           # the RFC's GFP flag
+    "QEMU 7.2",                  # old baseline table
+)
+
+
+def message(patch: Path) -> str:
+    """A format-patch file up to its diff (the commit message or cover text)."""
+    text = patch.read_text(errors="replace")
+    return text.split("\n---\n", 1)[0] if not patch.name.startswith("0000-") else text
+
+
+def added_and_removed(patch: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """Per file of a patch: the lines it adds and the lines it removes."""
+    out: dict[str, tuple[list[str], list[str]]] = {}
+    current = None
+    for line in patch.read_text(errors="replace").splitlines():
+        if line.startswith("+++ "):
+            current = line[6:] if line.startswith("+++ b/") else None
+            if current:
+                out.setdefault(current, ([], []))
+        elif current and line.startswith("+") and not line.startswith("+++"):
+            out[current][0].append(line[1:])
+        elif current and line.startswith("-") and not line.startswith("---"):
+            out[current][1].append(line[1:])
+    return out
+
+
+@pytest.mark.parametrize("name", SERIES)
+def test_each_series_has_its_directory_series_file_and_cover_letter(name):
+    queue = kernel.QUEUES[name]
+    assert queue.patch_dir == paths.KERNEL_DIR / name / "patches"
+    series = kernel.Series.load(queue.patch_dir)
+    assert series.names, f"{name}: empty series"
+    cover = (queue.patch_dir / kernel.COVER).read_text()
+    assert "base-commit: " in cover
+    # a series on top of others names each of their patches by patch id
+    prereqs = sum(len(kernel.Series.load(kernel.QUEUES[r].patch_dir).names)
+                  for r in queue.requires)
+    assert cover.count("prerequisite-patch-id: ") == prereqs
+    for section in ("Changes since the previous version", "Numbers", "Open questions", "Cc: "):
+        assert section in cover, f"{name}: cover letter has no {section!r}"
+
+
+def test_the_x86_and_uml_kernel_applies_the_three_series_in_order():
+    stacked = kernel.Series.stacked(kernel.queue_for("x86_64"))
+    dirs = [n.split("/")[0] for n in stacked.names]
+    assert dirs == sorted(dirs, key=SERIES.index)
+    assert set(dirs) == set(SERIES)
+    assert all(f.is_file() for f in stacked.files)
+
+
+@pytest.mark.parametrize("name", SERIES)
+def test_messages_name_no_removed_code(name):
+    for patch in sorted(kernel.QUEUES[name].patch_dir.glob("*.patch")):
+        text = message(patch)
+        for old in REMOVED_NAMES:
+            assert old not in text, f"{patch.name} describes {old!r}, which the series lacks"
+
+
+def test_removed_names_are_really_gone_from_the_code():
+    """The list above only makes sense for names no patch adds any more."""
+    for name in SERIES:
+        for patch in kernel.QUEUES[name].patch_dir.glob("0[0-9][0-9][1-9]-*.patch"):
+            for lines, _ in added_and_removed(patch).values():
+                for old in REMOVED_NAMES[:5]:
+                    assert not any(old in ln for ln in lines), (patch.name, old)
+
+
+def is_code(line: str) -> bool:
+    """A line of C that is not blank and not part of a comment."""
+    text = line.strip()
+    return bool(text) and not text.startswith(("/*", "*", "//"))
+
+
+def test_prezero_series_does_not_repair_its_own_patches():
+    """No patch removes a line of code that an earlier patch of the
+    pre-zeroing series added (comments may grow with the code they
+    describe), except where the non-temporal store patch replaces the
+    way a page is cleared, listed here."""
+    replaces = {"mm/page_prezero.c": {"\t\tclear_highpage(nth_page(page, i));"}}
+    added: dict[str, set[str]] = {}
+    for patch in kernel.Series.load(kernel.QUEUES["prezero"].patch_dir).files:
+        for path, (plus, minus) in added_and_removed(patch).items():
+            if not path.endswith((".c", ".h")):
+                continue
+            redone = {ln for ln in minus if is_code(ln) and ln in added.get(path, set())}
+            redone -= replaces.get(path, set())
+            assert not redone, f"{patch.name} rewrites code an earlier patch added: {redone}"
+            added.setdefault(path, set()).update(plus)
+
+
+def test_build_each_applies_every_patch_in_order_and_builds_each_prefix(capsys):
+    res = prefixbuild.build_each(Shell(dry_run=True), kernel.queue_for("x86_64"),
+                                 ("um", "x86_64"), with_kunit=True)
+    assert res.status == "ok", res.detail
+    cap = capsys.readouterr()
+    out = cap.out + cap.err
+    applied = re.findall(r"patch -p1 .* -i (\S+)", out)
+    expected = [str(f) for f in kernel.Series.stacked(kernel.queue_for("x86_64")).files]
+    assert applied == expected
+    # one incremental build per patch and arch, KUnit where a patch changes a suite
+    assert len(re.findall(r"ARCH=um .*-j\d", out)) == len(expected)
+    assert len(re.findall(r"ARCH=x86_64 .*-j\d", out)) == len(expected)
+    kunit_patches = [f for f in kernel.Series.stacked(kernel.queue_for("x86_64")).files
+                     if prefixbuild.touches_kunit(f)]
+    assert kunit_patches, "no patch adds a KUnit suite"
+    assert out.count("kunit_shutdown=halt") >= len(kunit_patches)
