@@ -1,0 +1,101 @@
+//! A hostile guest and a hostile frontend: each test starts the daemon
+//! binary, feeds it what a well-behaved driver or frontend never sends, and
+//! checks that the daemon stays up, stays quiet in its log, gives nothing
+//! away it should not, and serves the next frontend.
+
+mod common;
+
+use common::*;
+use vm_memory::{Bytes, GuestAddress};
+
+fn pfn(gpa: u64) -> u32 {
+    u32::try_from(gpa >> 12).unwrap()
+}
+
+/// Log lines written since `before`, with the first ones for the message.
+fn assert_log_lines(d: &Daemon, before: usize, max: usize, what: &str) {
+    let n = d.log_lines() - before;
+    assert!(
+        n <= max,
+        "{n} log lines (at most {max} expected) for {what}; the first ones:\n{}",
+        d.log_since(before, 8)
+    );
+}
+
+/// A guest can send 65,536 PFNs in one inflate chain (the most the device
+/// reads) and 16 ranges in one report, all outside its RAM: the daemon logs
+/// a summary per chain, not a line per range.
+#[test]
+fn a_chain_of_bad_pfns_is_logged_in_a_few_lines() {
+    let d = start_daemon_logged("logflood", &[]);
+    let mut g = Guest::connect(&d, None);
+    let before = d.log_lines();
+    let arr = GPA + 2 * MIB;
+    let n = 65_536u32;
+    let pfns: Vec<u8> = (0..n)
+        .flat_map(|i| (0x10_0000 + 2 * i).to_le_bytes())
+        .collect();
+    g.mem.write_slice(&pfns, GuestAddress(arr)).unwrap();
+    let bitmap = arr + pfns.len() as u64;
+    g.queues[INFLATE].push(
+        &g.mem,
+        &[(arr, pfns.len() as u32, false), (bitmap, n / 8, true)],
+    );
+    g.kick(INFLATE);
+    g.queues[INFLATE].wait_used(&g.mem, 1);
+    let bad: Vec<(u64, u32, bool)> = (0..16u64).map(|i| (i << 40, 4096, true)).collect();
+    g.queues[REPORTING].push(&g.mem, &bad);
+    g.kick(REPORTING);
+    g.queues[REPORTING].wait_used(&g.mem, 1);
+    let c = wait_counters(&d, |c| {
+        c["counters"]["rejects"]["outside_memory"] == u64::from(n) + 16
+    });
+    assert_eq!(c["counters"]["reports_not_initialized"], 1, "{c}");
+    assert_log_lines(
+        &d,
+        before,
+        4,
+        "an inflate chain of 65536 bad PFNs and a report of 16 bad ranges",
+    );
+}
+
+/// With LOG_ALL negotiated and no log shared, every treated range is a
+/// dirty-log miss: counted, not logged one by one.
+#[test]
+fn dirty_log_misses_are_logged_in_a_few_lines() {
+    let d = start_daemon_logged("missflood", &[]);
+    let mut g = Guest::connect_opts(
+        &d,
+        None,
+        &Opts {
+            log_all: true,
+            ..Opts::default()
+        },
+    );
+    let before = d.log_lines();
+    // 1024 pages, none adjacent: 1024 ranges
+    let arr = GPA + MIB;
+    let pages: Vec<u64> = (0..1024u64).map(|i| GPA + 2 * MIB + 2 * 4096 * i).collect();
+    let pfns: Vec<u8> = pages.iter().flat_map(|&p| pfn(p).to_le_bytes()).collect();
+    g.mem.write_slice(&pfns, GuestAddress(arr)).unwrap();
+    let bitmap = arr + pfns.len() as u64;
+    g.queues[INFLATE].push(
+        &g.mem,
+        &[(arr, pfns.len() as u32, false), (bitmap, 1024 / 8, true)],
+    );
+    g.kick(INFLATE);
+    g.queues[INFLATE].wait_used(&g.mem, 1);
+    assert!(
+        g.read(bitmap, 128).iter().all(|&b| b == 0),
+        "no page acknowledged without a dirty log"
+    );
+    let ranges: Vec<(u64, u32, bool)> = (0..16u64)
+        .map(|i| (GPA + 11 * MIB + i * 2 * 4096, 4096, true))
+        .collect();
+    g.queues[REPORTING].push(&g.mem, &ranges);
+    g.kick(REPORTING);
+    g.queues[REPORTING].wait_used(&g.mem, 1);
+    let c = wait_counters(&d, |c| c["counters"]["dirty_log_misses"] == 1024 + 16);
+    assert_eq!(c["counters"]["reports_not_initialized"], 1, "{c}");
+    assert_log_lines(&d, before, 4, "1040 ranges the dirty log missed");
+}
