@@ -12,10 +12,10 @@ use thiserror::Error;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::Backend;
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
-use virtio_queue::{DescriptorChain, QueueOwnedT, QueueT};
+use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{
-    Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryLoadGuard,
-    GuestMemoryRegion,
+    Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend,
+    GuestMemoryLoadGuard, GuestMemoryRegion,
 };
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
@@ -23,6 +23,7 @@ use vmm_sys_util::event::{
 };
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+use crate::chain::{Chain, ChainError};
 use crate::discard::{self, treat_range, Discarder, GuestMem, LogBitmap, Treatment};
 use crate::metrics::{add, bump, log_sparse, Metrics};
 use crate::pool::{self, DiscardPool, InFlight, PoolError};
@@ -39,8 +40,9 @@ pub const STATS_REQUEST_EVENT: u16 = MAX_QUEUES as u16 + 1;
 pub const MAX_PFN_BYTES: usize = 256 * 1024;
 /// Upper bound of a stats buffer.
 pub const MAX_STATS_BYTES: usize = 64 * 1024;
-/// Upper bound of descriptors in one report.
-pub const MAX_REPORT_DESCS: usize = 1024;
+/// Upper bound of descriptors in one report (a chain cannot be longer than
+/// its ring: indirect descriptors are refused).
+pub const MAX_REPORT_DESCS: usize = MAX_QUEUE_SIZE;
 
 type GM = GuestMemoryAtomic<GuestMem>;
 type Mem = GuestMemoryLoadGuard<GuestMem>;
@@ -624,17 +626,10 @@ pub struct BalloonBackend {
 }
 
 /// Reads the device-readable part of a chain, at most `max` bytes.
-fn read_chain(
-    chain: &DescriptorChain<Mem>,
-    mem: &GuestMem,
-    max: usize,
-) -> Result<Vec<u8>, BackendError> {
+fn read_chain(chain: &Chain, mem: &GuestMem, max: usize) -> Result<Vec<u8>, BackendError> {
     let mut out = Vec::new();
-    for desc in chain.clone() {
-        if desc.is_write_only() {
-            continue;
-        }
-        let len = usize::try_from(desc.len()).unwrap_or(usize::MAX);
+    for desc in chain.readable() {
+        let len = usize::try_from(desc.len).unwrap_or(usize::MAX);
         if out.len().saturating_add(len) > max {
             return Err(BackendError::BadChain(format!(
                 "buffer longer than {max} bytes"
@@ -642,41 +637,27 @@ fn read_chain(
         }
         let start = out.len();
         out.resize(start + len, 0);
-        mem.read_slice(&mut out[start..], desc.addr())
+        mem.read_slice(&mut out[start..], GuestAddress(desc.addr))
             .map_err(|e| {
-                BackendError::BadChain(format!("descriptor {:#x}+{len}: {e}", desc.addr().0))
+                BackendError::BadChain(format!("descriptor {:#x}+{len}: {e}", desc.addr))
             })?;
     }
     Ok(out)
 }
 
-/// Total length of the device-writable descriptors of a chain.
-fn writable_len(chain: &DescriptorChain<Mem>) -> u64 {
-    chain
-        .clone()
-        .filter(|d| d.is_write_only())
-        .map(|d| u64::from(d.len()))
-        .sum()
-}
-
 /// Writes `data` into the device-writable descriptors of a chain, in order.
 /// The caller checked that they are long enough.
-fn write_chain(
-    chain: &DescriptorChain<Mem>,
-    mem: &GuestMem,
-    data: &[u8],
-) -> Result<(), BackendError> {
+fn write_chain(chain: &Chain, mem: &GuestMem, data: &[u8]) -> Result<(), BackendError> {
     let mut rest = data;
-    for desc in chain.clone().filter(|d| d.is_write_only()) {
+    for desc in chain.writable() {
         if rest.is_empty() {
             break;
         }
-        let n = usize::try_from(desc.len())
+        let n = usize::try_from(desc.len)
             .unwrap_or(usize::MAX)
             .min(rest.len());
-        mem.write_slice(&rest[..n], desc.addr()).map_err(|e| {
-            BackendError::BadChain(format!("descriptor {:#x}+{n}: {e}", desc.addr().0))
-        })?;
+        mem.write_slice(&rest[..n], GuestAddress(desc.addr))
+            .map_err(|e| BackendError::BadChain(format!("descriptor {:#x}+{n}: {e}", desc.addr)))?;
         rest = &rest[n..];
     }
     if rest.is_empty() {
@@ -851,20 +832,45 @@ impl BalloonBackend {
         u
     }
 
-    /// Pops every available chain, lets `f` handle it, returns the ones `f`
-    /// completes (`Some(used_len)`), and signals the guest once.
+    /// Pops every available chain, reads it ([`Chain::read`]), lets `f`
+    /// handle it, returns the ones `f` completes (`Some(used_len)`), and
+    /// signals the guest once. A malformed chain is counted and returned
+    /// with used length 0 (a head past the end of the ring cannot be
+    /// returned at all); either way the rest of the batch is served.
     fn drain_queue<F>(&self, vring: &VringRwLock<GM>, mut f: F) -> Result<(), BackendError>
     where
-        F: FnMut(&Mem, DescriptorChain<Mem>) -> Option<u32>,
+        F: FnMut(&Mem, &Chain) -> Option<u32>,
     {
         let mem = self.memory()?;
-        let chains: Vec<_> = vring.get_mut().get_queue_mut().iter(mem.clone())?.collect();
+        let (table, size) = {
+            let st = vring.get_ref();
+            let q = st.get_queue();
+            (q.desc_table(), q.size())
+        };
+        let heads: Vec<u16> = vring
+            .get_mut()
+            .get_queue_mut()
+            .iter(mem.clone())?
+            .map(|c| c.head_index())
+            .collect();
         let mut used = false;
-        for chain in chains {
-            let head = chain.head_index();
-            if let Some(len) = f(&mem, chain) {
-                vring.add_used(head, len)?;
-                used = true;
+        for head in heads {
+            let len = match Chain::read(&mem, table, size, head) {
+                Ok(chain) => f(&mem, &chain),
+                Err(e @ ChainError::HeadOutOfRange { .. }) => {
+                    self.malformed(format_args!("chain not returned: {e}"));
+                    None
+                }
+                Err(e) => {
+                    self.malformed(format_args!("chain returned unused: {e}"));
+                    Some(0)
+                }
+            };
+            if let Some(len) = len {
+                match vring.add_used(head, len) {
+                    Ok(()) => used = true,
+                    Err(e) => self.malformed(format_args!("chain {head}: {e}")),
+                }
             }
         }
         if used {
@@ -888,11 +894,11 @@ impl BalloonBackend {
             Treatment::Release
         };
         self.drain_queue(vring, |mem, chain| {
-            let done = self.handle_pfn_chain(mem, &chain, true, t);
+            let done = self.handle_pfn_chain(mem, chain, true, t);
             if !bitmap {
                 return Some(0);
             }
-            Some(self.write_inflate_bitmap(mem, &chain, done, zeroed))
+            Some(self.write_inflate_bitmap(mem, chain, done, zeroed))
         })
     }
 
@@ -900,7 +906,7 @@ impl BalloonBackend {
     fn write_inflate_bitmap(
         &self,
         mem: &GuestMem,
-        chain: &DescriptorChain<Mem>,
+        chain: &Chain,
         done: Option<PfnChain>,
         zeroed: bool,
     ) -> u32 {
@@ -917,7 +923,7 @@ impl BalloonBackend {
         };
         let set: u32 = map.iter().map(|b| b.count_ones()).sum();
         let len = u32::try_from(map.len()).unwrap_or(u32::MAX);
-        let res = if writable_len(chain) < u64::from(len) {
+        let res = if chain.writable_len() < u64::from(len) {
             Err(BackendError::BadChain(format!(
                 "no room for the {len}-byte bitmap of {} PFNs",
                 done.pfns.len()
@@ -944,7 +950,7 @@ impl BalloonBackend {
     /// pages were discarded on inflate and fault back in on first touch.
     pub fn process_deflate(&self, vring: &VringRwLock<GM>) -> Result<(), BackendError> {
         self.drain_queue(vring, |mem, chain| {
-            self.handle_pfn_chain(mem, &chain, false, Treatment::Release);
+            self.handle_pfn_chain(mem, chain, false, Treatment::Release);
             Some(0)
         })
     }
@@ -952,7 +958,7 @@ impl BalloonBackend {
     fn handle_pfn_chain(
         &self,
         mem: &GuestMem,
-        chain: &DescriptorChain<Mem>,
+        chain: &Chain,
         inflate: bool,
         t: Treatment,
     ) -> Option<PfnChain> {
@@ -994,9 +1000,8 @@ impl BalloonBackend {
     pub fn process_stats(&self, vring: &VringRwLock<GM>) -> Result<(), BackendError> {
         let mut stale = Vec::new();
         self.drain_queue(vring, |mem, chain| {
-            let head = chain.head_index();
-            match read_chain(&chain, mem, MAX_STATS_BYTES)
-                .and_then(|b| Ok(ranges::parse_stats(&b)?))
+            let head = chain.head;
+            match read_chain(chain, mem, MAX_STATS_BYTES).and_then(|b| Ok(ranges::parse_stats(&b)?))
             {
                 Ok(stats) => {
                     add(&self.metrics().stats_updates, 1);
@@ -1017,8 +1022,10 @@ impl BalloonBackend {
             None
         })?;
         for old in stale {
-            vring.add_used(old, 0)?;
-            vring.signal_used_queue().map_err(BackendError::Signal)?;
+            match vring.add_used(old, 0) {
+                Ok(()) => vring.signal_used_queue().map_err(BackendError::Signal)?,
+                Err(e) => self.malformed(format_args!("stats buffer {old}: {e}")),
+            }
         }
         Ok(())
     }
@@ -1088,16 +1095,26 @@ impl BalloonBackend {
         self.drain_queue(vring, |mem, chain| {
             let popped = Instant::now();
             let m = self.metrics();
-            let lens: Vec<u32> = chain.clone().map(|d| d.len()).collect();
-            let descs: Vec<GuestRange> = chain
-                .clone()
+            let lens: Vec<u32> = chain.descs.iter().map(|d| d.len).collect();
+            // Ranges come from the device-writable descriptors only (as
+            // QEMU takes them from in_sg); a read-only one is malformed.
+            let (writable, read_only): (Vec<_>, Vec<_>) = chain
+                .descs
+                .iter()
                 .take(MAX_REPORT_DESCS)
-                .map(|d| GuestRange::new(d.addr().0, u64::from(d.len())))
-                .collect();
+                .map(|d| (GuestRange::new(d.addr, u64::from(d.len)), d.writable))
+                .partition(|(_, w)| *w);
+            let descs: Vec<GuestRange> = writable.into_iter().map(|(r, _)| r).collect();
             add(&m.reports, 1);
-            add(&m.reported_ranges, descs.len() as u64);
+            add(&m.reported_ranges, lens.len() as u64);
             let plan = ranges::plan(&descs, &region_infos(mem), PAGE_SIZE);
-            self.count_rejects(&plan.rejects, descs.len(), "report");
+            let mut rejects = plan.rejects.clone();
+            rejects.extend(
+                read_only
+                    .into_iter()
+                    .map(|(r, _)| (r, RejectReason::Malformed)),
+            );
+            self.count_rejects(&rejects, lens.len(), "report");
             add(&m.reported_bytes, plan.valid_bytes());
             let todo: Vec<GuestRange> = match t {
                 Some(_) => plan.ranges.iter().map(|(_, r)| *r).collect(),
@@ -1111,12 +1128,12 @@ impl BalloonBackend {
             };
             add(&m.reports_in_flight, 1);
             let job = Arc::new(ReportJob {
-                head: chain.head_index(),
+                head: chain.head,
                 vring: vring.clone(),
                 mem: mem.clone().into_inner(),
                 ctx: self.treat_ctx(),
                 init,
-                complete_plan: plan.rejects.is_empty() && descs.len() == lens.len(),
+                complete_plan: rejects.is_empty() && descs.len() == lens.len(),
                 lens,
                 popped,
                 remaining: AtomicUsize::new(todo.len()),

@@ -2,6 +2,7 @@
 #![deny(missing_docs)]
 
 pub mod backend;
+pub mod chain;
 pub mod cli;
 pub mod control;
 pub mod discard;
