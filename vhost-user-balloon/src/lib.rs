@@ -6,6 +6,7 @@ pub mod chain;
 pub mod cli;
 pub mod control;
 pub mod discard;
+pub mod memfile;
 pub mod metrics;
 pub mod pool;
 pub mod ranges;
