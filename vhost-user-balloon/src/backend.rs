@@ -301,11 +301,28 @@ impl DeviceState {
         self.target.store(pages, Ordering::Relaxed);
         let req = self.lock().backend_req.clone();
         let notified = match req {
-            Some(b) => {
-                b.send_config_change().map_err(BackendError::Notify)?;
-                add(&self.metrics.config_notifications, 1);
-                true
-            }
+            Some(b) => match b.send_config_change() {
+                Ok(()) => {
+                    add(&self.metrics.config_notifications, 1);
+                    true
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // The channel is full of config changes the frontend
+                    // has not read: when it reads them it reads the config,
+                    // and with it this target.
+                    let n = bump(&self.metrics.config_notifications_dropped);
+                    log_sparse(
+                        Level::Warn,
+                        n,
+                        format_args!(
+                            "frontend does not read its backend request channel: \
+                             config change for target {pages} not sent"
+                        ),
+                    );
+                    false
+                }
+                Err(e) => return Err(BackendError::Notify(e)),
+            },
             None => false,
         };
         info!("balloon target set to {pages} pages (frontend notified: {notified})");

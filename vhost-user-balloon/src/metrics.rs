@@ -90,6 +90,9 @@ pub struct Metrics {
     pub bad_queue_kicks: AtomicU64,
     /// Config change notifications sent to the frontend.
     pub config_notifications: AtomicU64,
+    /// Config change notifications not sent because the frontend does not
+    /// read its backend request channel (it is full).
+    pub config_notifications_dropped: AtomicU64,
     /// Descriptor chains (inflate, deflate, report) with at least one
     /// rejected range.
     pub chains_with_rejects: AtomicU64,
@@ -189,6 +192,7 @@ impl Metrics {
             bad_queue_kicks: get(&self.bad_queue_kicks),
             dirty_log_misses: get(&self.dirty_log_misses),
             config_notifications: get(&self.config_notifications),
+            config_notifications_dropped: get(&self.config_notifications_dropped),
             chains_with_rejects: get(&self.chains_with_rejects),
             chains_with_errors: get(&self.chains_with_errors),
             connections: get(&self.connections),
@@ -257,6 +261,7 @@ pub struct MetricsSnapshot {
     pub bad_queue_kicks: u64,
     pub dirty_log_misses: u64,
     pub config_notifications: u64,
+    pub config_notifications_dropped: u64,
     pub chains_with_rejects: u64,
     pub chains_with_errors: u64,
     pub connections: u64,

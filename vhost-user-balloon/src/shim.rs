@@ -40,6 +40,7 @@ use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
 
 use log::{debug, warn, Level};
 use thiserror::Error;
@@ -78,6 +79,9 @@ pub const REQ_SET_VRING_CALL: u32 = 13;
 const F_PROTOCOL_FEATURES: u64 = 1 << 30;
 /// `VHOST_USER_PROTOCOL_F_REPLY_ACK`.
 const PROTOCOL_F_REPLY_ACK: u64 = 1 << 3;
+/// How long a message half written to the backend request channel may wait
+/// for the frontend to make room for the rest.
+const PARTIAL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 /// SET_VRING_KICK/CALL payload: no fd attached.
 const VRING_NOFD_MASK: u64 = 0x100;
 /// Rings the tracker knows about (vhost-user indexes are 8 bits; the
@@ -551,26 +555,114 @@ fn is_socket(fd: &OwnedFd) -> bool {
 
 /// The frontend's backend request channel (a socket, or a pipe on UML).
 /// Messages are written with plain `write()` and never ask for a reply.
+///
+/// The fd is non-blocking: a frontend that stops reading its channel must
+/// not hang the thread that sends (the control socket's, for `set_target`).
+/// A message that does not fit at all fails with `WouldBlock` and nothing
+/// is written; a message that fits in part waits up to
+/// [`PARTIAL_WRITE_TIMEOUT`] for the rest, and if the frontend does not take
+/// it the channel is marked broken (the stream is out of step) and every
+/// later send fails.
 #[derive(Debug)]
 pub struct BackendChannel {
-    file: Mutex<File>,
+    state: Mutex<ChannelState>,
+}
+
+#[derive(Debug)]
+struct ChannelState {
+    file: File,
+    broken: bool,
+}
+
+/// Sets `O_NONBLOCK` on `fd` (the frontend passed us its own end and
+/// closed it, as QEMU and UML do).
+fn set_nonblocking(fd: &OwnedFd) -> io::Result<()> {
+    // SAFETY: fcntl on a valid fd we own.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Waits until `file` is writable or `deadline` passed; true if writable.
+fn wait_writable(file: &File, deadline: Instant) -> bool {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let ms = libc::c_int::try_from(left.as_millis()).unwrap_or(libc::c_int::MAX);
+    let mut pfd = libc::pollfd {
+        fd: file.as_raw_fd(),
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
+    rc > 0 && pfd.revents & libc::POLLOUT != 0
 }
 
 impl BackendChannel {
     /// Wraps the fd received in SET_BACKEND_REQ_FD.
     pub fn new(fd: OwnedFd) -> Self {
+        if let Err(e) = set_nonblocking(&fd) {
+            warn!("backend request channel stays blocking: {e}");
+        }
         Self {
-            file: Mutex::new(File::from(fd)),
+            state: Mutex::new(ChannelState {
+                file: File::from(fd),
+                broken: false,
+            }),
         }
     }
 
-    /// Writes one message (header flags: NEED_REPLY cleared).
+    /// Writes one message (header flags: NEED_REPLY cleared). Never blocks
+    /// for longer than [`PARTIAL_WRITE_TIMEOUT`] (see the type).
     pub fn send(&self, mut hdr: Header, payload: &[u8]) -> io::Result<()> {
         hdr.flags = (hdr.flags | FLAG_VERSION) & !FLAG_NEED_REPLY;
         let mut msg = hdr.to_bytes().to_vec();
         msg.extend_from_slice(payload);
-        let mut f = self.file.lock().unwrap_or_else(|p| p.into_inner());
-        f.write_all(&msg)
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.broken {
+            return Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "backend request channel out of step after a partial message",
+            ));
+        }
+        let deadline = Instant::now() + PARTIAL_WRITE_TIMEOUT;
+        let mut off = 0;
+        while off < msg.len() {
+            match st.file.write(&msg[off..]) {
+                Ok(0) => {
+                    st.broken = off > 0;
+                    return Err(io::ErrorKind::WriteZero.into());
+                }
+                Ok(n) => off += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock && off == 0 => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::WouldBlock,
+                        "backend request channel full: the frontend does not read it",
+                    ));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if !wait_writable(&st.file, deadline) {
+                        st.broken = true;
+                        return Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "the frontend stopped reading its backend request channel \
+                             in the middle of a message",
+                        ));
+                    }
+                }
+                Err(e) => {
+                    st.broken = off > 0;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Sends VHOST_USER_BACKEND_CONFIG_CHANGE_MSG.
@@ -1119,6 +1211,37 @@ mod tests {
                 "{num}"
             );
         }
+    }
+
+    #[test]
+    fn a_full_backend_channel_does_not_block() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let chan = BackendChannel::new(OwnedFd::from(theirs));
+        let t = std::time::Instant::now();
+        let mut sent = 0;
+        let err = loop {
+            match chan.send_config_change() {
+                Ok(()) => sent += 1,
+                Err(e) => break e,
+            }
+            assert!(sent < 1_000_000, "the channel never filled up");
+        };
+        assert_eq!(err.kind(), io::ErrorKind::WouldBlock, "{err}");
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        // nothing half written: the reader sees whole messages only, and
+        // once it reads, sending works again
+        let mut r = ours;
+        r.set_nonblocking(true).unwrap();
+        let mut buf = vec![0u8; HDR_SIZE * (sent + 1)];
+        let mut got = 0;
+        while let Ok(n) = r.read(&mut buf[got..]) {
+            if n == 0 {
+                break;
+            }
+            got += n;
+        }
+        assert_eq!(got, HDR_SIZE * sent);
+        assert!(chan.send_config_change().is_ok());
     }
 
     #[test]

@@ -5,7 +5,9 @@
 
 mod common;
 
+use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use common::*;
@@ -353,4 +355,35 @@ fn a_bad_head_does_not_lose_the_rest_of_its_batch() {
         "the valid chain, bitmap length"
     );
     assert_eq!(g.mem.read_obj::<u8>(GuestAddress(arr + 64)).unwrap(), 1);
+}
+
+/// A frontend that stops reading its backend request channel: every
+/// set_target still gets its answer (the config change is not sent), and
+/// the control socket keeps working.
+#[test]
+fn set_target_does_not_hang_when_the_frontend_stops_reading() {
+    let d = start_daemon_logged("noreader", &[]);
+    let (_ours, theirs) = UnixStream::pair().unwrap();
+    let _g = Guest::connect(&d, Some(&theirs));
+    drop(theirs);
+    let s = UnixStream::connect(&d.ctl).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut w = s.try_clone().unwrap();
+    let mut r = BufReader::new(s);
+    let mut not_notified = 0;
+    for i in 0..2000u32 {
+        writeln!(w, r#"{{"cmd":"set_target","pages":{i}}}"#).unwrap();
+        let mut line = String::new();
+        if let Err(e) = r.read_line(&mut line) {
+            panic!("set_target #{i}: no answer within 5 s ({e}): the control thread hangs");
+        }
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        if v["notified"] != true {
+            not_notified += 1;
+        }
+    }
+    assert!(not_notified > 0, "the channel never filled up");
+    let c = control(&d, r#"{"cmd":"get_counters"}"#);
+    assert_eq!(c["target"], 1999, "{c}");
+    assert_eq!(c["connected"], true, "{c}");
 }
