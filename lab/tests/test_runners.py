@@ -68,8 +68,8 @@ def test_qemu_patched_binary_takes_debian_firmware_and_init_bits():
     assert argv[0] == "/cache/qemu/build/qemu-system-x86_64"
     dirs = [argv[i + 1] for i, a in enumerate(argv) if a == "-L"]
     assert dirs == ["/usr/share/qemu", "/usr/share/seabios", "/usr/lib/ipxe/qemu"]
-    assert ("virtio-balloon-pci,id=balloon0,free-page-reporting=on,device-init-reported=on,"
-            "device-init-on-inflate=on") in argv
+    assert ("virtio-balloon-pci,id=balloon0,free-page-reporting=on,x-device-init-reported=on,"
+            "x-device-init-on-inflate=on") in argv
 
 
 def test_qemu_vhost_user_balloon_replaces_virtio_balloon_and_shares_ram():
