@@ -31,7 +31,7 @@ class GuestConfig:
     device_init_reported: bool = False
     device_init_on_inflate: bool = False
     # vhost-user-balloon daemon's socket: UML's virtio_uml device; under QEMU
-    # vhost-user-device-pci in place of virtio-balloon, RAM in a shared memfd
+    # vhost-user-balloon-pci in place of virtio-balloon, RAM in a shared memfd
     vhost_user_balloon: Path | None = None
     qmp_socket: Path | None = None
     incoming: str | None = None
@@ -161,11 +161,6 @@ BALLOON_INIT_PROPS = {
     "device_init_reported": "x-device-init-reported",
     "device_init_on_inflate": "x-device-init-on-inflate",
 }
-# virtio-balloon's queues the vhost-user device carries: inflate, deflate,
-# stats, reporting (no free page hint); config: num_pages, actual,
-# free_page_hint_cmd_id, poison_val
-VHOST_USER_BALLOON_QUEUES = 4
-VHOST_USER_BALLOON_CONFIG = 16
 
 
 class QemuRunner(Runner):
@@ -234,12 +229,11 @@ class QemuRunner(Runner):
 
     @staticmethod
     def vhost_user_balloon_args(cfg: GuestConfig) -> list[str]:
-        """vhost-user-device-pci (user creatable with qemu/patches) as a balloon."""
+        """vhost-user-balloon-pci (qemu/patches): the balloon's front-end for a
+        vhost-user backend (virtio id 5, its queues and config fixed by QEMU)."""
         return ["-object", f"memory-backend-memfd,id=mem,size={cfg.mem_mib}M,share=on",
                 "-chardev", f"socket,id=vub,path={cfg.vhost_user_balloon}",
-                "-device", "vhost-user-device-pci,chardev=vub,virtio-id=5,"
-                f"num_vqs={VHOST_USER_BALLOON_QUEUES},vq_size=128,"
-                f"config_size={VHOST_USER_BALLOON_CONFIG}"]
+                "-device", "vhost-user-balloon-pci,chardev=vub"]
 
     def footprint_bytes(self, guest: Guest) -> int | None:
         return rss_bytes(guest.pid)
