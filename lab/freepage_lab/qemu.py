@@ -373,6 +373,12 @@ def run_qtest(shell: Shell, built: BuiltQemu, name: str = QTEST_NAME) -> list[Qt
     run_env = {"QTEST_QEMU_BINARY": str(built.binary)}
     if shell.dry_run:
         return []
+    # as for QEMU itself: no compiler warning in a file the series touches
+    warned = series_warnings((built.out_dir / f"build-{name}.log").read_text(errors="replace"),
+                             patched_files(load_series()))
+    if warned:
+        raise LabError(f"build {name}: warnings in files the series touches:\n  "
+                       + "\n  ".join(warned[:10]))
     link_firmware(built.out_dir)
     cases = []
     for path in qtest_cases(shell, binary, run_env):
