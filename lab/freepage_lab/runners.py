@@ -31,7 +31,7 @@ class GuestConfig:
     device_init_reported: bool = False
     device_init_on_inflate: bool = False
     # vhost-user-balloon daemon's socket: UML's virtio_uml device; under QEMU
-    # vhost-user-device-pci in place of virtio-balloon, RAM in a shared memfd
+    # vhost-user-balloon-pci in place of virtio-balloon, RAM in a shared memfd
     vhost_user_balloon: Path | None = None
     qmp_socket: Path | None = None
     incoming: str | None = None
@@ -154,11 +154,13 @@ STOCK_QEMU = Path("qemu-system-x86_64")
 # would be relocated into the build's qemu-bundle/)
 QEMU_FIRMWARE_DIRS = (Path("/usr/share/qemu"), Path("/usr/share/seabios"),
                       Path("/usr/lib/ipxe/qemu"))
-# virtio-balloon's queues the vhost-user device carries: inflate, deflate,
-# stats, reporting (no free page hint); config: num_pages, actual,
-# free_page_hint_cmd_id, poison_val
-VHOST_USER_BALLOON_QUEUES = 4
-VHOST_USER_BALLOON_CONFIG = 16
+# The virtio-balloon properties of qemu/patches for the proposed feature
+# bits 6 and 7: experimental (x-) while the virtio spec has not allocated
+# the bits, whose numbers may still change
+BALLOON_INIT_PROPS = {
+    "device_init_reported": "x-device-init-reported",
+    "device_init_on_inflate": "x-device-init-on-inflate",
+}
 
 
 class QemuRunner(Runner):
@@ -217,10 +219,9 @@ class QemuRunner(Runner):
         dev = "virtio-balloon-pci,id=balloon0"
         if cfg.free_page_reporting:
             dev += ",free-page-reporting=on"
-        if cfg.device_init_reported:
-            dev += ",device-init-reported=on"
-        if cfg.device_init_on_inflate:
-            dev += ",device-init-on-inflate=on"
+        for field_name, prop in BALLOON_INIT_PROPS.items():
+            if getattr(cfg, field_name):
+                dev += f",{prop}=on"
         if cfg.free_page_hint:
             argv += ["-object", "iothread,id=balloon-io"]
             dev += ",free-page-hint=on,iothread=balloon-io"
@@ -228,12 +229,11 @@ class QemuRunner(Runner):
 
     @staticmethod
     def vhost_user_balloon_args(cfg: GuestConfig) -> list[str]:
-        """vhost-user-device-pci (user creatable with qemu/patches) as a balloon."""
+        """vhost-user-balloon-pci (qemu/patches): the balloon's front-end for a
+        vhost-user backend (virtio id 5, its queues and config fixed by QEMU)."""
         return ["-object", f"memory-backend-memfd,id=mem,size={cfg.mem_mib}M,share=on",
                 "-chardev", f"socket,id=vub,path={cfg.vhost_user_balloon}",
-                "-device", "vhost-user-device-pci,chardev=vub,virtio-id=5,"
-                f"num_vqs={VHOST_USER_BALLOON_QUEUES},vq_size=128,"
-                f"config_size={VHOST_USER_BALLOON_CONFIG}"]
+                "-device", "vhost-user-balloon-pci,chardev=vub"]
 
     def footprint_bytes(self, guest: Guest) -> int | None:
         return rss_bytes(guest.pid)
