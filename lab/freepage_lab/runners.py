@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .guest import Guest
+from .procfs import allocated_bytes, anon_huge_bytes, deleted_file, rss_bytes
 from .shell import LabError, Shell
 
 
@@ -67,30 +68,6 @@ class Runner(ABC):
         return Guest(name, self.argv(cfg), log, self.shell, interactive=interactive)
 
 
-def rss_bytes(pid: int) -> int | None:
-    """Resident set of one process from /proc (VmRSS); None once it has exited."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None  # a zombie has no VmRSS
-
-
-def anon_huge_bytes(pid: int) -> int | None:
-    """AnonHugePages of one process (/proc/<pid>/smaps_rollup); None once it has exited."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 class UmlRunner(Runner):
     """User-Mode Linux: the kernel is a host process; RAM is a (deleted) shared file."""
 
@@ -107,33 +84,7 @@ class UmlRunner(Runner):
 
     def footprint_bytes(self, guest: Guest) -> int | None:
         """Allocated blocks of UML's physical-memory file (held open, unlinked)."""
-        mem = uml_memory_file(guest.pid)
-        if mem is None:
-            return None
-        try:
-            return os.stat(mem).st_blocks * 512
-        except OSError:
-            return None
-
-
-def uml_memory_file(pid: int) -> str | None:
-    """The largest deleted regular file UML maps: its physical memory."""
-    best, best_size = None, -1
-    fd_dir = f"/proc/{pid}/fd"
-    try:
-        fds = os.listdir(fd_dir)
-    except OSError:
-        return None
-    for fd in fds:
-        path = f"{fd_dir}/{fd}"
-        try:
-            target = os.readlink(path)
-            st = os.stat(path)
-        except OSError:
-            continue
-        if target.endswith("(deleted)") and st.st_size > best_size:
-            best, best_size = path, st.st_size
-    return best
+        return allocated_bytes(deleted_file(guest.pid))
 
 
 def kvm_usable() -> tuple[bool, str]:

@@ -6,7 +6,8 @@ import pytest
 
 from freepage_lab import kernel, paths
 from freepage_lab.context import RunContext
-from freepage_lab.guest import GuestError, group_members
+from freepage_lab.guest import GuestError
+from freepage_lab.procfs import group_members
 from freepage_lab.runners import GuestConfig
 from freepage_lab.scenarios import reclaim
 from freepage_lab.shell import LabError, Shell

@@ -19,7 +19,8 @@ from freepage_lab import kernel, knobs, qemu
 from freepage_lab.backend import BalloonBackend
 from freepage_lab.context import RunContext
 from freepage_lab.initramfs import EVENT
-from freepage_lab.runners import GuestConfig, QemuRunner, uml_memory_file
+from freepage_lab.procfs import deleted_file
+from freepage_lab.runners import GuestConfig, QemuRunner
 from freepage_lab.shell import Shell
 
 pytestmark = [
@@ -49,7 +50,7 @@ def guest_script() -> str:
 
 def memfd_bytes(qemu_pid: int) -> int:
     """Allocated blocks of the guest's RAM: the memfd QEMU holds (deleted file)."""
-    mem = uml_memory_file(qemu_pid)
+    mem = deleted_file(qemu_pid)
     assert mem is not None, f"QEMU {qemu_pid} holds no memfd"
     return os.stat(mem).st_blocks * 512
 

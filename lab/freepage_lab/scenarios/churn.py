@@ -33,15 +33,14 @@ host probe and the guest's reporting counters.
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..context import RunContext
-from ..guest import group_members
 from ..initramfs import EVENT, EXIT
+from ..procfs import Usage, group_usage, process_usage
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
@@ -77,62 +76,6 @@ def rotation(variants: Sequence[str], rnd: int) -> list[str]:
     """Variant order of repeat `rnd`: each variant takes each position in turn."""
     k = rnd % len(variants) if variants else 0
     return [*variants[k:], *variants[:k]]
-
-
-# -- host side: the VMM's faults and CPU -----------------------------------
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-@dataclass
-class Usage:
-    """Faults and CPU seconds of a set of host processes (children they reaped included)."""
-
-    minflt: int = 0
-    majflt: int = 0
-    cpu_s: float = 0.0
-
-    def __add__(self, other: Usage) -> Usage:
-        return Usage(self.minflt + other.minflt, self.majflt + other.majflt,
-                     self.cpu_s + other.cpu_s)
-
-    def __sub__(self, other: Usage) -> Usage:
-        return Usage(self.minflt - other.minflt, self.majflt - other.majflt,
-                     self.cpu_s - other.cpu_s)
-
-    @property
-    def faults(self) -> int:
-        return self.minflt + self.majflt
-
-
-def parse_proc_stat(text: str, clk_tck: int = CLK_TCK) -> Usage:
-    """/proc/<pid>/stat -> own + reaped children's faults and CPU time.
-
-    UML runs each guest address space in a host process that its kernel
-    process reaps: counting children keeps an exited process's faults.
-    """
-    fields = text.rsplit(")", 1)[1].split()
-    # fields[0] is field 3 (state): minflt is field 10, utime 14 (proc(5))
-    minflt, cminflt, majflt, cmajflt = (int(fields[i]) for i in (7, 8, 9, 10))
-    utime, stime, cutime, cstime = (int(fields[i]) for i in (11, 12, 13, 14))
-    return Usage(minflt + cminflt, majflt + cmajflt,
-                 (utime + stime + cutime + cstime) / clk_tck)
-
-
-def process_usage(pid: int) -> Usage:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            return parse_proc_stat(fh.read())
-    except (OSError, IndexError, ValueError):
-        return Usage()
-
-
-def group_usage(pgid: int) -> Usage:
-    """Every live process of a guest's process group (QEMU, or UML and its helpers)."""
-    total = Usage()
-    for pid in group_members(pgid):
-        total = total + process_usage(pid)
-    return total
 
 
 # -- one boot of one variant ---------------------------------------------------
