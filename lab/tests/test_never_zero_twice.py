@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from freepage_lab import kernel, knobs, kunit
+from freepage_lab import guestshell, kernel, kunit
 from freepage_lab.context import RunContext
 from freepage_lab.runners import GuestConfig
 from freepage_lab.scenarios import zeroskip
@@ -80,8 +80,8 @@ def test_device_init_bit_refused_with_page_poisoning(tmp_path):
 
     ctx = RunContext(shell=Shell(), run_dir=tmp_path, platform="uml", patched=True,
                      variant="debug")
-    bit = knobs.BIT_DEVICE_INIT_REPORTED
-    script = f"""f={knobs.BALLOON_FEATURES}
+    bit = guestshell.BIT_DEVICE_INIT_REPORTED
+    script = f"""f={guestshell.BALLOON_FEATURES}
 echo "features $f"
 """
     seen = {}
@@ -204,7 +204,7 @@ def test_power_off_with_a_report_in_flight(tmp_path):
     from freepage_lab.backend import BalloonBackend
 
     ctx = ctx_for(tmp_path, "uml")
-    script = f"""echo 1 > {knobs.FLUSH} &
+    script = f"""echo 1 > {guestshell.FLUSH} &
 sleep 1
 [ -d /proc/$! ] || {{ echo 'the flush did not wait for the device' >&2; exit 3; }}
 echo 'report in flight: powering off'

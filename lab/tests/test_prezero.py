@@ -18,10 +18,12 @@ import pytest
 
 from freepage_lab import kernel, kunit
 from freepage_lab.context import RunContext
+from freepage_lab.guestshell import PREZERO_DIR
+from freepage_lab.guestshell import prezero_helpers as shell_helpers
 from freepage_lab.initramfs import EVENT
 from freepage_lab.runners import GuestConfig
 from freepage_lab.scenarios import kernel_warnings
-from freepage_lab.scenarios.prezero import PREZERO_DIR, delta, parse_events, shell_helpers
+from freepage_lab.scenarios.prezero import delta, parse_events
 from freepage_lab.shell import Shell
 
 pytestmark = [

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-from freepage_lab import kernel, knobs, qemu
+from freepage_lab import guestshell, kernel, qemu
 from freepage_lab.context import RunContext
 from freepage_lab.guest import Guest
 from freepage_lab.initramfs import BOOTED, EVENT
@@ -85,12 +85,12 @@ def guest_script(p: Plan, report: bool = True) -> str:
     balloon = ("for d in /sys/bus/virtio/devices/*; do "
                "[ \"$(cat $d/device)\" = 0x0005 ] && echo ${d##*/}; done | head -1")
     marked = vmstat("pgzero_marked_reported")
-    features = knobs.VIRTIO_FEATURES.format(dev="$dev")
+    features = guestshell.VIRTIO_FEATURES.format(dev="$dev")
     free = [
         # before the free: the series' own pass may report it before the flush
         f"m0=$({marked})",
         "rm /tmp/fill",
-        knobs.flush_cmd(),
+        guestshell.flush_cmd(),
         f"m1=$({marked})",
         f"echo \"{EVENT} freed marked_reported=$((m1 - m0))\"",
     ] if report else ["rm /tmp/fill", f"echo \"{EVENT} freed\""]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from freepage_lab import kernel, knobs, qemu
+from freepage_lab import guestshell, kernel, qemu
 from freepage_lab.backend import BalloonBackend
 from freepage_lab.context import RunContext
 from freepage_lab.initramfs import EVENT
@@ -42,7 +42,7 @@ def guest_script() -> str:
         f"echo \"{EVENT} filled\"",
         "read go",
         "rm /tmp/fill",
-        knobs.flush_cmd(),
+        guestshell.flush_cmd(),
         f"echo \"{EVENT} freed\"",
         "read done",
     ]) + "\n"

@@ -22,9 +22,9 @@ import pytest
 
 from freepage_lab.context import RunContext
 from freepage_lab.footprint import Sampler
+from freepage_lab.guestshell import BALLOON_BOUND
 from freepage_lab.initramfs import EVENT
 from freepage_lab.runners import GuestConfig
-from freepage_lab.scenarios.reclaim import BALLOON_BOUND
 from freepage_lab.shell import Shell
 
 pytestmark = pytest.mark.slow

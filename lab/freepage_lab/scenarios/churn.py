@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..context import RunContext
+from ..guestshell import BALLOON_BOUND, REPORTING_COUNTERS, reporting_snapshot
 from ..initramfs import EVENT, EXIT
 from ..procfs import Usage, group_usage, process_usage
 from ..runners import GuestConfig
@@ -48,22 +49,6 @@ from . import Outcome, Scenario, table
 
 VARIANTS = ("off", "stock", "stock250", "freepage")
 STOCK250_PATCH = "stock-delay-250ms.patch"
-REPORTING_DIR = "/sys/kernel/mm/page_reporting"
-BALLOON_BOUND = ("ls -d /sys/bus/virtio/drivers/virtio_balloon/virtio* >/dev/null 2>&1 || "
-                 "{ echo 'no virtio_balloon device bound' >&2; exit 4; }")
-# prints {"prog":"reporting","tag":...} with the series' counters; nothing on stock
-REPORTING_SNAPSHOT = f"""reporting() {{
-\t[ -r {REPORTING_DIR}/passes ] || return 0
-\tR={REPORTING_DIR}
-\tprintf '{{"prog":"reporting","tag":"%s","passes":%s,"time_us":%s,"reported_pages":%s,\
-"reused_pages":%s,"pcp_drained_pages":%s,"current_delay_ms":%s,"delay_ms":%s}}\\n' \\
-\t\t"$1" "$(cat $R/passes)" "$(cat $R/time_us)" \\
-\t\t"$(awk '{{s=0; for (i = 1; i <= NF; i++) s += $i; print s}}' $R/reported_pages)" \\
-\t\t"$(cat $R/reused_pages)" "$(cat $R/pcp_drained_pages)" \\
-\t\t"$(cat $R/current_delay_ms)" "$(cat $R/delay_ms)"
-}}
-"""
-REPORTING_COUNTERS = ("passes", "time_us", "reported_pages", "reused_pages", "pcp_drained_pages")
 
 
 def check_variants(scenario: str, variants: Sequence[str], allowed: Sequence[str] = VARIANTS) -> None:
@@ -188,7 +173,7 @@ def churn_script(p: ChurnParams) -> str:
         loop = (f"( while :; do reporting \"t=$(cut -d' ' -f1 /proc/uptime)\"; sleep {pause}; "
                 f"done ) & tracer=$!\n{loop}\nkill $tracer || true")
     return "\n".join([
-        BALLOON_BOUND, REPORTING_SNAPSHOT.rstrip("\n"),
+        BALLOON_BOUND, reporting_snapshot(),
         f"sleep {p.settle_s}",
         "reporting before",
         f"echo {EVENT} start",

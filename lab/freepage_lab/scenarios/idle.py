@@ -15,13 +15,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..context import RunContext
+from ..guestshell import BALLOON_BOUND, USER_HZ, cpustat_function, reporting_snapshot
 from ..initramfs import EVENT
 from ..shell import LabError
 from ..stats import summarise
 from . import Outcome, Scenario, table
 from .churn import (
-    BALLOON_BOUND,
-    REPORTING_SNAPSHOT,
     VARIANTS,
     Boot,
     boot_variant,
@@ -33,10 +32,6 @@ from .churn import (
 
 # guest /proc/stat "cpu" line: user nice system idle iowait irq softirq steal
 BUSY_FIELDS = (0, 1, 2, 5, 6)
-CPUSTAT = ("cpustat() { awk -v tag=\"$1\" '$1 == \"cpu\" { printf \"{\\\"prog\\\":\\\"cpustat\\\","
-           "\\\"tag\\\":\\\"%s\\\",\\\"ticks\\\":[%s,%s,%s,%s,%s,%s,%s,%s]}\\n\", "
-           "tag, $2, $3, $4, $5, $6, $7, $8, $9 }' /proc/stat; }")
-USER_HZ = 100
 
 
 @dataclass
@@ -54,7 +49,7 @@ class IdleParams:
 
 def idle_script(p: IdleParams) -> str:
     return "\n".join([
-        BALLOON_BOUND, REPORTING_SNAPSHOT.rstrip("\n"), CPUSTAT,
+        BALLOON_BOUND, reporting_snapshot(), cpustat_function(),
         f"sleep {p.settle_s}",
         "reporting before", "cpustat before",
         f"echo {EVENT} start",

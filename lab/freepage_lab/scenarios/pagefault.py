@@ -14,11 +14,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..context import RunContext
+from ..guestshell import BALLOON_BOUND, reporting_snapshot
 from ..initramfs import EVENT
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, table
-from .churn import BALLOON_BOUND, REPORTING_SNAPSHOT, boot_variant, check_variants, rotation, spread
+from .churn import boot_variant, check_variants, rotation, spread
 
 
 @dataclass
@@ -34,7 +35,7 @@ class PagefaultParams:
 
 def pagefault_script(p: PagefaultParams) -> str:
     return "\n".join([
-        BALLOON_BOUND, REPORTING_SNAPSHOT.rstrip("\n"),
+        BALLOON_BOUND, reporting_snapshot(),
         f"sleep {p.settle_s}",
         "reporting before",
         f"echo {EVENT} start",

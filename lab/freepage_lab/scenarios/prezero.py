@@ -40,55 +40,29 @@ from pathlib import Path
 from typing import Any
 
 from ..context import RunContext
+from ..guestshell import (
+    BENCH_PROG,
+    PREZERO_COUNTERS,
+    bench_function,
+    pcp_high_fraction,
+    prezero_helpers,
+    require_prezero,
+    thp,
+)
 from ..initramfs import EVENT
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, abba, run_checked, table
-from .zerobench import BENCH_PATCH, BENCH_PROG, RUN
+from .zerobench import BENCH_PATCH
 from .zeroskip import LIMIT_PATCH
 
-PREZERO_DIR = "/sys/kernel/mm/prezero"
-COUNTERS = ("pgzero_marked_prezero", "pgzero_prezero_aborted", "pgzero_prezero_hugetlb",
-            "pgzero_skipped", "pgzero_missed", "pgzero_merge_lost", "pgzero_verify_failed",
-            "pgzero_marked_reported", "pgzero_prezero_scans")
+COUNTERS = PREZERO_COUNTERS
 VARIANTS = ("vanilla", "off", "on", "limit")
 PLATFORM_MODES = {"uml": ("4k", "kzero9", "kzero0"), "qemu": ("thp", "4k", "hugetlb")}
 POPULATE_MODES = ("4k", "thp", "hugetlb")
 HUGE_PAGE_MIB = 2
-# below this growth (pages per second) the pool counts as warm: 1 MiB/s
-SETTLED_PAGES_PER_S = 256
 EVENT_RE = re.compile(rf"^{EVENT} (\S+) (\S+)((?: \S+ -?\d+)*)\s*$")
-
-
-def shell_helpers(stable_s: int = 3) -> str:
-    """Shell functions of every pre-zeroing guest script.
-
-    vm: the counters on one line; ev NAME MODE: an event line with them;
-    knob NAME VALUE: set a pre-zeroing knob if the kernel has it;
-    prezero_wait TIMEOUT: until the thread's counters grew by less than
-    SETTLED_PAGES_PER_S a second for `stable_s` seconds in a row (the poll
-    itself forks and frees a few dirty pages each second, which the thread
-    clears, so they never stand quite still; without a thread: after that
-    idle time), prints "<EVENT> waited <mode> seconds <n>".
-    """
-    counters = "|".join(COUNTERS)
-    return f"""vm() {{ grep -E '^({counters}) ' /proc/vmstat | tr '\\n' ' '; }}
-ev() {{ echo "{EVENT} $1 $2 $(vm)"; }}
-knob() {{ if [ -w {PREZERO_DIR}/$1 ]; then echo $2 > {PREZERO_DIR}/$1; fi; }}
-prezero_wait() {{
-\tprev=-1; stable=0; waited=0
-\twhile [ $stable -lt {stable_s} ] && [ $waited -lt $1 ]; do
-\t\tsleep 1; waited=$((waited + 1))
-\t\tcur=$(awk '/^pgzero_(marked_prezero|prezero_hugetlb) /{{s += $2}} END{{print s + 0}}' \\
-\t\t\t/proc/vmstat)
-\t\tif [ $((cur - prev)) -lt {SETTLED_PAGES_PER_S} ]; then stable=$((stable + 1))
-\t\telse stable=0; fi
-\t\tprev=$cur
-\tdone
-\techo "{EVENT} waited ${{2:-all}} seconds $waited"
-}}
-"""
 
 
 def parse_events(lines: Sequence[str]) -> list[tuple[str, str, dict[str, int]]]:
@@ -190,19 +164,14 @@ def mode_lines(p: PrezeroParams, mode: str, variant: str) -> list[str]:
 
 def guest_script(p: PrezeroParams, modes: Sequence[str], variant: str) -> str:
     lines = [
-        shell_helpers(p.stable_s),
-        "bench() {",
-        "\tdmesg -c > /dev/null",
-        f"\techo \"$*\" > {RUN} || {{ echo \"prezero: '$*' failed\" >&2; exit 4; }}",
-        f"\tdmesg -c | sed -n 's/^.*\\({{\"prog\":\"{BENCH_PROG}\".*}}\\)[[:space:]]*$/\\1/p'",
-        "}",
-        "[ -w /sys/kernel/mm/transparent_hugepage/enabled ] && "
-        "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled || true",
+        prezero_helpers(p.stable_s),
+        bench_function("prezero"),
+        thp("madvise"),
     ]
     if p.pcp_high_fraction > 0:
-        lines.append(f"echo {p.pcp_high_fraction} > /proc/sys/vm/percpu_pagelist_high_fraction")
+        lines.append(pcp_high_fraction(p.pcp_high_fraction))
     if variant == "on":
-        lines += [f"[ -d {PREZERO_DIR} ] || {{ echo 'prezero: no {PREZERO_DIR}' >&2; exit 3; }}",
+        lines += [require_prezero("prezero"),
                   f"[ {p.min_order} -lt 0 ] || knob min_order {p.min_order}",
                   "knob enabled 1"]
     for mode in modes:

@@ -47,16 +47,15 @@ from pathlib import Path
 from typing import Any
 
 from ..context import RunContext
+from ..guestshell import kcpu_function, kcpu_snapshot, prezero_helpers, require_prezero
 from ..initramfs import EVENT
 from ..runners import GuestConfig
 from ..shell import LabError, Shell
 from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, abba, run_checked, table
-from .prezero import PREZERO_DIR, shell_helpers
 
 VARIANTS = ("off", "nt", "cached")
 NOCACHE = {"nt": 1, "cached": 0}
-TICK_S = 0.01  # USER_HZ
 LLC = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
 
 
@@ -90,39 +89,11 @@ class PrezeroCostParams:
     hold_cpu: int = 0
 
 
-def kcpu_function() -> str:
-    """Shell function kcpu: prints kprezerod's CPU time in ns and where it
-    came from: "schedstat" (the scheduler's runtime, CONFIG_SCHED_INFO,
-    which bench.config turns on; exact where sched_clock() is, e.g. x86,
-    in jiffies on UML), "ticks" (utime + stime, which miss a thread that
-    runs between ticks) or "none" (no thread yet: exactly 0)."""
-    return "\n".join([
-        "kcpu() {",
-        "\tfor s in /proc/[0-9]*/stat; do",
-        "\t\tcase \"$(cat $s 2>/dev/null)\" in *'(kprezerod)'*)",
-        "\t\t\tif [ -r ${s%/stat}/schedstat ]; then",
-        "\t\t\t\techo \"$(cut -d' ' -f1 ${s%/stat}/schedstat) schedstat\"",
-        "\t\t\telse",
-        f"\t\t\t\techo \"$(awk '{{print ($14 + $15) * {int(TICK_S * 1e9)}}}' $s) ticks\"",
-        "\t\t\tfi; return;; esac",
-        "\tdone",
-        "\techo '0 none'",
-        "}",
-    ])
-
-
-def kcpu_snapshot(prefix: str) -> str:
-    """A shell line that echoes `prefix` followed by "cpu_ns N exact 0|1"
-    (exact: not from ticks), for kcpu_function()'s kcpu."""
-    return (f"set -- $(kcpu); echo \"{prefix} cpu_ns $1 exact "
-            "$([ \"$2\" = ticks ] && echo 0 || echo 1)")
-
-
 def guest_script(p: PrezeroCostParams, variant: str, wss_kib: int) -> str:
     lines = [
-        shell_helpers(),
+        prezero_helpers(),
         kcpu_function(),
-        f"[ -d {PREZERO_DIR} ] || {{ echo 'prezero_cost: no {PREZERO_DIR}' >&2; exit 3; }}",
+        require_prezero("prezero_cost"),
     ]
     if variant in NOCACHE:
         lines += [f"knob nocache {NOCACHE[variant]}", "knob enabled 1"]

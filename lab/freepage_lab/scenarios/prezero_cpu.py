@@ -24,13 +24,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..context import RunContext
+from ..guestshell import PREZERO_DIR, kcpu_function, kcpu_snapshot, require_prezero
 from ..initramfs import EVENT
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import summarise
 from . import Outcome, Scenario, run_checked, table
-from .prezero import PREZERO_DIR, icount_args
-from .prezero_cost import kcpu_function, kcpu_snapshot
+from .prezero import icount_args
 
 
 @dataclass
@@ -66,7 +66,7 @@ def guest_script(p: PrezeroCpuParams) -> str:
     rest = (" uptime_ms $(awk '{printf \"%d\", $1 * 1000}' /proc/uptime) marked "
             "$(awk '/^pgzero_marked_prezero /{print $2}' /proc/vmstat)\"")
     lines = [kcpu_function(),
-             f"[ -d {PREZERO_DIR} ] || {{ echo 'prezero_cpu: no {PREZERO_DIR}' >&2; exit 3; }}"]
+             require_prezero("prezero_cpu")]
     for rep in range(p.repeat):
         for cap in order(p.caps, rep):
             lines += [

@@ -19,13 +19,13 @@ from typing import Any
 
 from ..context import RunContext
 from ..footprint import Sampler, value_at
+from ..guestshell import flush_if_present, pcp_high_fraction, prezero_helpers
 from ..initramfs import EVENT
-from ..knobs import FLUSH
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import summarise
 from . import Outcome, Scenario, kernel_warnings, table
-from .prezero import parse_events, shell_helpers
+from .prezero import parse_events
 
 MIB = 1 << 20
 
@@ -43,10 +43,10 @@ class PrezeroFootprintParams:
 
 def guest_script(p: PrezeroFootprintParams) -> str:
     return "\n".join([
-        shell_helpers(),
-        "echo 1000 > /proc/sys/vm/percpu_pagelist_high_fraction",
+        prezero_helpers(),
+        pcp_high_fraction(1000),
         f"populate --mib {p.dirty_mib} --mode 4k --fill 0xa5 --tag dirty",
-        f"[ -w {FLUSH} ] && echo 1000000 > {FLUSH} || true",
+        flush_if_present(),
         f"sleep {p.settle_s}",
         f"knob min_order {p.min_order}",
         "ev off all",

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..context import RunContext
+from ..guestshell import THP_ENABLED
 from ..initramfs import EVENT
 from ..plot import bar_plot
 from ..runners import GuestConfig
@@ -38,7 +39,7 @@ class ReallocParams:
 
 def guest_script(p: ReallocParams) -> str:
     lines = [
-        "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled",
+        f"echo madvise > {THP_ENABLED}",
         f"populate --mib {p.prefault_mib} --mode 4k --fill 1 --tag prefault",
         f"sleep {p.wait_s}",
     ]

@@ -24,6 +24,14 @@ from typing import Any
 from ..context import RunContext
 from ..footprint import Sample, Sampler, analyse_reclaim, value_at
 from ..guest import Guest
+from ..guestshell import (
+    BALLOON_BOUND,
+    COUNTER_TAG,
+    REPORTING_DIR,
+    pcp_high_fraction,
+    reporting_counters,
+    thp,
+)
 from ..initramfs import EVENT
 from ..plot import timeline_plot
 from ..runners import GuestConfig, Runner
@@ -31,12 +39,6 @@ from ..shell import LabError
 from . import Outcome, Scenario, fmt_s, table
 
 MIB = 1 << 20
-BALLOON_BOUND = ("ls -d /sys/bus/virtio/drivers/virtio_balloon/virtio* >/dev/null 2>&1 || "
-                 "{ echo 'no virtio_balloon device bound' >&2; exit 4; }")
-REPORTING_SYSFS = "/sys/kernel/mm/page_reporting"
-# the series' counters, read once at the end of a boot
-REPORTING_COUNTERS = ("passes", "time_us", "reported_pages", "pcp_drained_pages", "reused_pages")
-COUNTER_TAG = "REPORTING-COUNTER"
 STOCK250_PATCH = "stock-delay-250ms.patch"
 # reclaim goals: (fraction of the freed memory, within seconds of the free)
 GOALS = ((0.90, 1.0), (0.99, 2.0))
@@ -89,10 +91,9 @@ def rounds_of(p: ReclaimParams) -> list[str]:
 
 def guest_script(p: ReclaimParams) -> str:
     lines = [BALLOON_BOUND, "echo 3 > /proc/sys/vm/drop_caches",
-             "[ -w /sys/kernel/mm/transparent_hugepage/enabled ] && "
-             "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled || true"]
+             thp("madvise")]
     if p.pcp_high_fraction:
-        lines.append(f"echo {p.pcp_high_fraction} > /proc/sys/vm/percpu_pagelist_high_fraction")
+        lines.append(pcp_high_fraction(p.pcp_high_fraction))
     for i, mode in enumerate(rounds_of(p)):
         lines += [
             f"echo {EVENT} populate {i}",
@@ -100,9 +101,7 @@ def guest_script(p: ReclaimParams) -> str:
             f"echo {EVENT} freed {i}",
             f"sleep {p.settle_s}",
         ]
-    names = " ".join(REPORTING_COUNTERS)
-    lines.append(f"for f in {names}; do [ -r {REPORTING_SYSFS}/$f ] && "
-                 f"echo \"{COUNTER_TAG} $f $(cat {REPORTING_SYSFS}/$f)\"; done; true")
+    lines.append(reporting_counters())
     return "\n".join(lines) + "\n"
 
 
@@ -268,7 +267,7 @@ class ReclaimScenario(Scenario):
             text += "\n\nhost THP backing (AnonHugePages of the VMM, MiB, median)\n" + \
                 backing_table(summary, params.modes)
         for v, counters in data["reporting_counters"].items():
-            text += f"\n\n{v}: {REPORTING_SYSFS} at the end of each boot\n" + "\n".join(
+            text += f"\n\n{v}: {REPORTING_DIR} at the end of each boot\n" + "\n".join(
                 "  " + ", ".join(f"{k}={_fmt_counter(c)}" for k, c in cs.items())
                 for cs in counters)
         ctx.save(label, data)

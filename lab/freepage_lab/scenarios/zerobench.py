@@ -56,7 +56,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..context import RunContext
-from ..knobs import FLUSH
+from ..guestshell import (
+    BENCH_PROG,
+    BENCH_RUN,
+    bench_function,
+    flush_if_present,
+    pcp_high_fraction,
+    vmstat_delta,
+    vmstat_save,
+)
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import median_ratio, summarise
@@ -64,8 +72,7 @@ from . import Outcome, Scenario, abba, run_checked, table
 
 # test-only: the in-kernel benchmark, applied to every kernel here
 BENCH_PATCH = "page-zeroed-bench.patch"
-BENCH_PROG = "page_zeroed_bench"
-RUN = "/sys/module/page_zeroed_bench/parameters/run"
+RUN = BENCH_RUN
 COUNTERS = ("pgzero_skipped", "pgzero_missed", "pgzero_marked_reported", "pgzero_merge_lost")
 VARIANTS = ("vanilla", "off", "on")
 MAX_PAGE_ORDER = 10
@@ -123,34 +130,26 @@ def check_params(p: ZerobenchParams) -> tuple[int, ...]:
 
 
 def guest_script(p: ZerobenchParams, orders: tuple[int, ...]) -> str:
-    counters = "|".join(COUNTERS)
     lines = [
         f"[ -w {RUN} ] || {{ echo 'zerobench: {RUN} missing: kernel without {BENCH_PATCH}'; "
         "exit 3; }",
         # one benchmark command; its JSON line copied from the ring buffer
-        "bench() {",
-        "\tdmesg -c > /dev/null",
-        f"\techo \"$*\" > {RUN} || {{ echo \"zerobench: '$*' failed\"; exit 4; }}",
-        f"\tdmesg -c | sed -n 's/^.*\\({{\"prog\":\"{BENCH_PROG}\".*}}\\)[[:space:]]*$/\\1/p'",
-        "}",
+        bench_function("zerobench"),
     ]
     if p.pcp_high_fraction:
-        lines.append(f"echo {p.pcp_high_fraction} > /proc/sys/vm/percpu_pagelist_high_fraction")
+        lines.append(pcp_high_fraction(p.pcp_high_fraction))
     for _ in range(p.repeat):
         for order in orders:
             lines += [
                 # dirty the memory first: the pages the benchmark gets are not zero
                 f"populate --mib {p.bench_mib} --mode 4k --fill 0x5a --tag warm",
-                f"[ -w {FLUSH} ] && echo 1000000 > {FLUSH} || true",
+                flush_if_present(),
                 f"sleep {p.settle_s}",
-                f"grep -E '^({counters}) ' /proc/vmstat > /tmp/v0 || true",
+                vmstat_save(COUNTERS, "/tmp/v0"),
                 f"bench zero {order} {p.bench_mib}",
-                f"grep -E '^({counters}) ' /proc/vmstat > /tmp/v1 || true",
+                vmstat_save(COUNTERS, "/tmp/v1"),
                 # one JSON line with the counter deltas of that run
-                f"awk -v o={order} 'NR==FNR{{a[$1]=$2;next}}"
-                "{s=s sprintf(\",\\\"%s\\\":%d\",$1,$2-a[$1])}"
-                "END{print \"{\\\"prog\\\":\\\"vmstat\\\",\\\"order\\\":\" o s \"}\"}'"
-                " /tmp/v0 /tmp/v1",
+                vmstat_delta(f',"order":{order}'),
             ]
     lines += [f"bench fastpath {p.fastpath_n}"] * p.fastpath_repeat
     return "\n".join(lines) + "\n"

@@ -34,8 +34,8 @@ from typing import Any
 
 from ..context import RunContext
 from ..footprint import Sampler, value_at
+from ..guestshell import flush_if_present, pcp_high_fraction, thp, vmstat_delta, vmstat_save
 from ..initramfs import EVENT
-from ..knobs import FLUSH
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
@@ -61,29 +61,24 @@ class ZerofirstParams:
 
 
 def guest_script(p: ZerofirstParams) -> str:
-    counters = "|".join(COUNTERS)
-    lines = [
-        "[ -w /sys/kernel/mm/transparent_hugepage/enabled ] && "
-        "echo never > /sys/kernel/mm/transparent_hugepage/enabled || true",
-    ]
+    lines = [thp("never")]
     if p.pcp_high_fraction:
-        lines.append(f"echo {p.pcp_high_fraction} > /proc/sys/vm/percpu_pagelist_high_fraction")
+        lines.append(pcp_high_fraction(p.pcp_high_fraction))
     for i in range(p.iterations):
         lines += [
             f"populate --mib {p.reported_mib} --mode 4k --fill 0x5a --tag reported",
             # stock has no flush: its 2 s timer reports within the sleep
-            f"[ -w {FLUSH} ] && echo 1000000 > {FLUSH} || true",
+            flush_if_present(),
             "sleep 4",
             f"populate --mib {p.backed_mib} --mode 4k --fill 0x5a --tag backed",
-            f"grep -E '^({counters}) ' /proc/vmstat > /tmp/v0 || true",
+            vmstat_save(COUNTERS, "/tmp/v0"),
             f"echo {EVENT} work {i}",
             "sleep 0.3",
             f"populate --mib {p.work_mib} --mode 4k --touch --verify --tag work",
             f"echo {EVENT} done {i}",
             "sleep 0.5",
-            f"grep -E '^({counters}) ' /proc/vmstat > /tmp/v1 || true",
-            "awk 'NR==FNR{a[$1]=$2;next}{s=s sprintf(\",\\\"%s\\\":%d\",$1,$2-a[$1])}"
-            "END{print \"{\\\"prog\\\":\\\"vmstat\\\"\" s \"}\"}' /tmp/v0 /tmp/v1",
+            vmstat_save(COUNTERS, "/tmp/v1"),
+            vmstat_delta(),
             "sleep 3",
         ]
     return "\n".join(lines) + "\n"

@@ -33,15 +33,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import guestshell
 from ..context import RunContext
+from ..guestshell import flush_cmd
 from ..initramfs import BOOTED
-from ..knobs import flush_cmd
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import median_ratio, quantile, summarise
 from . import Outcome, Scenario, abba, table
 
-PCP_HIGH_FRACTION = "/proc/sys/vm/percpu_pagelist_high_fraction"
 FILE = "/tmp/zeromix.file"
 # counters every snapshot must carry (pages); the other pgzero_* come along
 COUNTERS = ("pgzero_skipped", "pgzero_missed", "pgzero_marked_reported", "pgzero_merge_lost")
@@ -96,7 +96,7 @@ def guest_script(p: ZeromixParams, platform: str) -> str:
     lines = [SNAPSHOT_FUNCTION]
     fraction = pcp_high_fraction(p, platform)
     if fraction:
-        lines.append(f"echo {fraction} > {PCP_HIGH_FRACTION}")
+        lines.append(guestshell.pcp_high_fraction(fraction))
     lines.append("snap -1 boot")
     if p.initial_flush:
         lines += [flush_cmd(), "snap -1 flushed"]

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..context import RunContext
-from ..knobs import FLUSH
+from ..guestshell import flush_if_present, pcp_high_fraction, thp, vmstat_delta, vmstat_save
 from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
@@ -46,31 +46,26 @@ class ZeroskipParams:
 
 def guest_script(p: ZeroskipParams, modes: tuple[str, ...]) -> str:
     lines = [
-        "[ -w /sys/kernel/mm/transparent_hugepage/enabled ] && "
-        "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled || true",
+        thp("madvise"),
         f"echo {p.populate_mib // 2 + 8} > /proc/sys/vm/nr_overcommit_hugepages "
         "2>/dev/null || true",
     ]
     if p.pcp_high_fraction:
-        lines.append(f"echo {p.pcp_high_fraction} > /proc/sys/vm/percpu_pagelist_high_fraction")
-    counters = "|".join(COUNTERS)
+        lines.append(pcp_high_fraction(p.pcp_high_fraction))
     for mode in modes:
         for _ in range(p.repeat):
             lines += [
                 f"populate --mib {p.populate_mib} --mode {mode} --fill 0x5a --tag warm",
-                f"[ -w {FLUSH} ] && echo 1000000 > {FLUSH} || true",
+                flush_if_present(),
                 f"sleep {p.settle_s}",
-                f"grep -E '^({counters}) ' /proc/vmstat > /tmp/v0 || true",
+                vmstat_save(COUNTERS, "/tmp/v0"),
                 # exit 1 = non-zero bytes found: the host judges that (the limit
                 # kernel produces them by design); any other failure stops the run
                 f"populate --mib {p.populate_mib} --mode {mode} --touch --verify --tag measure"
                 " || [ $? -eq 1 ]",
-                f"grep -E '^({counters}) ' /proc/vmstat > /tmp/v1 || true",
+                vmstat_save(COUNTERS, "/tmp/v1"),
                 # one JSON line with the counter deltas of that populate
-                "awk -v m=" + mode + " 'NR==FNR{a[$1]=$2;next}"
-                "{s=s sprintf(\",\\\"%s\\\":%d\",$1,$2-a[$1])}"
-                "END{print \"{\\\"prog\\\":\\\"vmstat\\\",\\\"mode\\\":\\\"\" m \"\\\"\" s \"}\"}'"
-                " /tmp/v0 /tmp/v1",
+                vmstat_delta(f',"mode":"{mode}"'),
             ]
     return "\n".join(lines) + "\n"
 
