@@ -13,12 +13,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import patchqueue, paths
+from . import patchqueue, paths, platforms
 from .shell import LabError, Shell, StageResult, timed
 
-ARCHES = ("um", "x86_64", "arm64")
-# arm64 is cross-built with this toolchain prefix (gcc-aarch64-linux-gnu)
-CROSS_COMPILE = {"arm64": "aarch64-linux-gnu-"}
+ARCHES = tuple(platforms.ARCHES)
 VARIANTS = ("release", "debug")
 PATCHED_FRAGMENTS = ("never-zero-twice.config",)
 
@@ -296,8 +294,7 @@ class BuildSpec:
     extra_patches: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHES:
-            raise LabError(f"unknown arch {self.arch!r}; choose one of {', '.join(ARCHES)}")
+        platforms.arch(self.arch)
         if self.variant not in VARIANTS:
             raise LabError(f"unknown variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
 
@@ -375,7 +372,7 @@ def build_key(spec: BuildSpec, version: str, series: Series) -> str:
 def make_argv(src: Path, out: Path, arch: str, *targets: str, jobs: int | None = None,
               ccache: bool = False) -> list[str]:
     argv = ["make", "-C", str(src), f"O={out}", f"ARCH={arch}"]
-    cross = CROSS_COMPILE.get(arch, "")
+    cross = platforms.arch(arch).cross_compile
     if cross:
         argv.append(f"CROSS_COMPILE={cross}")
     if ccache:
@@ -399,11 +396,7 @@ def ccache_env() -> dict[str, str] | None:
 
 
 def image_path(out: Path, arch: str) -> Path:
-    if arch == "um":
-        return out / "linux"
-    if arch == "arm64":
-        return out / "arch" / "arm64" / "boot" / "Image"
-    return out / "arch" / "x86" / "boot" / "bzImage"
+    return out / platforms.arch(arch).image
 
 
 def build(shell: Shell, spec: BuildSpec, series: Series | None = None) -> BuiltKernel:
@@ -453,7 +446,7 @@ def _build_locked(shell: Shell, spec: BuildSpec, series: Series, out: Path, imag
         out.mkdir(parents=True)
     cenv = ccache_env()
     cc = cenv is not None
-    base_target = "defconfig" if spec.arch == "um" else "tinyconfig"
+    base_target = platforms.arch(spec.arch).base_config
     shell.run(make_argv(src, out, spec.arch, base_target, ccache=cc), env=cenv,
               log=out / "config.log", what=f"make {base_target}")
     fragments = spec.fragments()

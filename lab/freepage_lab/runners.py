@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .guest import Guest
+from .platforms import PLATFORMS, platform
 from .procfs import allocated_bytes, anon_huge_bytes, deleted_file, rss_bytes
 from .shell import LabError, Shell
 
@@ -44,6 +45,32 @@ class GuestConfig:
     extra_args: list[str] = field(default_factory=list)
     # UML only: run the guest (every host process of it) on this host CPU
     host_cpu: int | None = None
+
+
+# QEMU device property names, in one place: a renamed property is a
+# one-line change here (GuestConfig field -> property)
+BALLOON_PROPERTIES = {
+    "free_page_reporting": "free-page-reporting",
+    # feature bits 6 and 7 (proposed, not allocated; qemu/patches)
+    "device_init_reported": "device-init-reported",
+    "device_init_on_inflate": "device-init-on-inflate",
+}
+HINT_PROPERTY = "free-page-hint"
+IOTHREAD_PROPERTY = "iothread"
+# vhost-user-device-pci as a balloon (user creatable with qemu/patches)
+VHOST_USER_DEVICE = ("vhost-user-device-pci,chardev={chardev},virtio-id=5,num_vqs={queues},"
+                     "vq_size=128,config_size={config}")
+
+
+def balloon_device(driver: str, cfg: GuestConfig) -> str:
+    """-device value of a virtio balloon with the properties `cfg` turns on."""
+    dev = f"{driver},id=balloon0"
+    for field_name, prop in BALLOON_PROPERTIES.items():
+        if getattr(cfg, field_name):
+            dev += f",{prop}=on"
+    if cfg.free_page_hint:
+        dev += f",{HINT_PROPERTY}=on,{IOTHREAD_PROPERTY}=balloon-io"
+    return dev
 
 
 class Runner(ABC):
@@ -160,31 +187,21 @@ class QemuRunner(Runner):
             argv += ["-qmp", f"unix:{cfg.qmp_socket},server=on,wait=off"]
         if cfg.incoming is not None:
             argv += ["-incoming", cfg.incoming]
-        return argv + cfg.extra_args
+        return argv + cfg.extra_args + (["-icount", PLATFORMS["qemu"].icount] if cfg.icount else [])
 
     @staticmethod
     def balloon_args(cfg: GuestConfig) -> list[str]:
-        argv = []
-        dev = "virtio-balloon-pci,id=balloon0"
-        if cfg.free_page_reporting:
-            dev += ",free-page-reporting=on"
-        if cfg.device_init_reported:
-            dev += ",device-init-reported=on"
-        if cfg.device_init_on_inflate:
-            dev += ",device-init-on-inflate=on"
-        if cfg.free_page_hint:
-            argv += ["-object", "iothread,id=balloon-io"]
-            dev += ",free-page-hint=on,iothread=balloon-io"
-        return argv + ["-device", dev]
+        argv = ["-object", "iothread,id=balloon-io"] if cfg.free_page_hint else []
+        return argv + ["-device", balloon_device("virtio-balloon-pci", cfg)]
 
     @staticmethod
     def vhost_user_balloon_args(cfg: GuestConfig) -> list[str]:
         """vhost-user-device-pci (user creatable with qemu/patches) as a balloon."""
         return ["-object", f"memory-backend-memfd,id=mem,size={cfg.mem_mib}M,share=on",
                 "-chardev", f"socket,id=vub,path={cfg.vhost_user_balloon}",
-                "-device", "vhost-user-device-pci,chardev=vub,virtio-id=5,"
-                f"num_vqs={VHOST_USER_BALLOON_QUEUES},vq_size=128,"
-                f"config_size={VHOST_USER_BALLOON_CONFIG}"]
+                "-device", VHOST_USER_DEVICE.format(chardev="vub",
+                                                    queues=VHOST_USER_BALLOON_QUEUES,
+                                                    config=VHOST_USER_BALLOON_CONFIG)]
 
     def footprint_bytes(self, guest: Guest) -> int | None:
         return rss_bytes(guest.pid)
@@ -220,12 +237,9 @@ class Arm64Runner(Runner):
                 "-append", append, "-display", "none", "-monitor", "none",
                 "-serial", "stdio", "-no-reboot", "-nodefaults"]
         if cfg.icount:
-            argv += ["-icount", "shift=0"]
+            argv += ["-icount", PLATFORMS["arm64"].icount]
         if cfg.balloon:
-            dev = "virtio-balloon-device,id=balloon0"
-            if cfg.free_page_reporting:
-                dev += ",free-page-reporting=on"
-            argv += ["-device", dev]
+            argv += ["-device", balloon_device("virtio-balloon-device", cfg)]
         if cfg.qmp_socket is not None:
             argv += ["-qmp", f"unix:{cfg.qmp_socket},server=on,wait=off"]
         return argv + cfg.extra_args
@@ -234,20 +248,14 @@ class Arm64Runner(Runner):
         return rss_bytes(guest.pid)
 
 
-PLATFORMS = ("uml", "qemu", "arm64")
-# the kernel arch each platform boots
-PLATFORM_ARCH = {"uml": "um", "qemu": "x86_64", "arm64": "arm64"}
-
-
 def make_runner(name: str, shell: Shell, accel: str = "auto",
                 qemu_binary: Path = STOCK_QEMU) -> Runner:
-    if name == "uml":
+    kind = platform(name).runner
+    if kind == "uml":
         return UmlRunner(shell)
-    if name == "qemu":
+    if kind == "qemu":
         return QemuRunner(shell, accel, qemu_binary)
-    if name == "arm64":
-        return Arm64Runner(shell, "tcg" if accel == "auto" else accel)
-    raise LabError(f"unknown platform {name!r}: choose one of {', '.join(PLATFORMS)}")
+    return Arm64Runner(shell, "tcg" if accel == "auto" else accel)
 
 
 class Qmp:

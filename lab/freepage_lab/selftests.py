@@ -12,14 +12,14 @@ import fcntl
 import hashlib
 from pathlib import Path
 
-from . import kernel, paths
+from . import kernel, paths, platforms
 from .shell import Shell
 
 # what the arm64 initramfs carries, relative to tools/testing/selftests/kvm
 PROGRAMS = ("dirty_log_perf_test", "dirty_log_test", "kvm_page_table_test",
             "aarch64/page_fault_test")
 ENV_PATCH = "selftests-eager-split-env.patch"
-CROSS = kernel.CROSS_COMPILE["arm64"]
+CROSS = platforms.arch("arm64").cross_compile
 
 
 def series() -> kernel.Series:

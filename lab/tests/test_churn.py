@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from freepage_lab import procfs
+from freepage_lab import harness, procfs
 from freepage_lab.initramfs import EVENT
 from freepage_lab.scenarios import churn, idle, pagefault
 from freepage_lab.shell import LabError
@@ -81,9 +81,9 @@ def test_summary_ratios_are_to_stock():
 
 
 def test_rotation_puts_every_variant_first_once():
-    firsts = {churn.rotation(churn.VARIANTS, r)[0] for r in range(4)}
+    firsts = {harness.order(churn.VARIANTS, r, rotate=True)[0] for r in range(4)}
     assert firsts == set(churn.VARIANTS)
-    assert sorted(churn.rotation(churn.VARIANTS, 3)) == sorted(churn.VARIANTS)
+    assert sorted(harness.order(churn.VARIANTS, 3, rotate=True)) == sorted(churn.VARIANTS)
 
 
 def test_scripts_settle_then_mark_the_measured_window():

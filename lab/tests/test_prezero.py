@@ -20,9 +20,9 @@ from freepage_lab import kernel, kunit
 from freepage_lab.context import RunContext
 from freepage_lab.guestshell import PREZERO_DIR
 from freepage_lab.guestshell import prezero_helpers as shell_helpers
+from freepage_lab.harness import kernel_warnings as warnings_in
 from freepage_lab.initramfs import EVENT
 from freepage_lab.runners import GuestConfig
-from freepage_lab.scenarios import kernel_warnings
 from freepage_lab.scenarios.prezero import delta, parse_events
 from freepage_lab.shell import Shell
 
@@ -74,7 +74,8 @@ def boot(tmp_path: Path, enable: bool) -> Run:
                       mem_mib=1024, balloon=False)
     with ctx.runner().guest("prezero", cfg, ctx.log("prezero")) as g:
         rc = g.wait_exit(600)
-    return Run(rc, [ln.text for ln in g.lines], kernel_warnings(g), g.json_records("populate"))
+    lines = [ln.text for ln in g.lines]
+    return Run(rc, lines, warnings_in(lines), g.json_records("populate"))
 
 
 def check(run: Run) -> dict[str, int]:
@@ -164,7 +165,7 @@ def test_hugetlb_pool_is_prezeroed_and_verified_zero_on_qemu(tmp_path):
         rc = g.wait_exit(600)
         lines = [ln.text for ln in g.lines]
     assert rc == 0, lines[-20:]
-    assert not kernel_warnings(g), kernel_warnings(g)
+    assert not warnings_in([ln.text for ln in g.lines]), warnings_in([ln.text for ln in g.lines])
     events = parse_events(lines)
     warm = delta(events, "all", "dirtied", "warm")
     used = delta(events, "all", "warm", "measured")
@@ -217,7 +218,7 @@ echo 0 > {PREZERO_DIR}/enabled
     with ctx.runner().guest("prezero-idle", cfg, ctx.log("prezero-idle")) as g:
         rc = g.wait_exit(300)
         lines = [ln.text for ln in g.lines]
-        warnings = kernel_warnings(g)
+        warnings = warnings_in([ln.text for ln in g.lines])
     assert rc == 0, lines[-20:]
     assert not warnings, warnings
     found = {ln.split()[1]: int(ln.split()[3]) for ln in lines

@@ -83,7 +83,7 @@ def test_summary_has_ratios_and_the_unconsumed_share(tmp_path):
 
 
 def test_params_are_checked():
-    with pytest.raises(LabError, match="UML has no thp"):
+    with pytest.raises(LabError, match="uml has no thp"):
         prezero.check_params(prezero.PrezeroParams(modes=("thp",)), "uml")
     with pytest.raises(LabError, match="unknown mode"):
         prezero.check_params(prezero.PrezeroParams(modes=("kzero11",)), "qemu")

@@ -9,8 +9,8 @@ such a loop's allocation time. The freepage series reports after 100 ms
 but backs off (4x per pass, up to 16 s) when half of what a pass
 reported is allocated again.
 
-Variants, interleaved (each repeat boots every variant once, in an order
-that rotates from repeat to repeat):
+Variants (harness.FAMILIES["reporting"]), interleaved (each repeat boots
+every variant once, in an order that rotates from repeat to repeat):
   off       stock 6.12, the balloon does not offer free page reporting
   stock     stock 6.12 defaults (2 s delay)
   stock250  stock 6.12 with a 250 ms delay (kernel/bench/stock-delay-250ms.patch)
@@ -27,40 +27,28 @@ Reported per variant: median [min-max] over boots of the per-iteration
 alloc + touch time, guest minor faults, host faults and VMM CPU, and the
 ratio to stock (bootstrap 95% interval).
 
-This module also holds what pagefault and idle share: the variants, the
-host probe and the guest's reporting counters.
+This module also holds what pagefault and idle share: the boot plan, the
+window between two marks and the guest's reporting counters.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .. import harness
 from ..context import RunContext
 from ..guestshell import BALLOON_BOUND, REPORTING_COUNTERS, reporting_snapshot
-from ..initramfs import EVENT, EXIT
-from ..procfs import Usage, group_usage, process_usage
-from ..runners import GuestConfig
+from ..initramfs import EVENT
+from ..procfs import Usage
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, table
 
-VARIANTS = ("off", "stock", "stock250", "freepage")
-STOCK250_PATCH = "stock-delay-250ms.patch"
-
-
-def check_variants(scenario: str, variants: Sequence[str], allowed: Sequence[str] = VARIANTS) -> None:
-    for v in variants:
-        if v not in allowed:
-            raise LabError(f"{scenario}: unknown variant {v!r}; choose from {', '.join(allowed)}")
-
-
-def rotation(variants: Sequence[str], rnd: int) -> list[str]:
-    """Variant order of repeat `rnd`: each variant takes each position in turn."""
-    k = rnd % len(variants) if variants else 0
-    return [*variants[k:], *variants[:k]]
+# the "reporting" family of harness.FAMILIES
+VARIANTS = tuple(harness.family("reporting"))
 
 
 # -- one boot of one variant ---------------------------------------------------
@@ -96,55 +84,20 @@ def reporting_trace(records: list[dict]) -> list[dict]:
             for r in records if r.get("prog") == "reporting" and r["tag"].startswith("t=")]
 
 
-def variant_config(ctx: RunContext, variant: str, initrd_name: str, script: str,
-                   mem_mib: int) -> tuple[GuestConfig, bool]:
-    """The guest config of a variant, and whether its balloon offers reporting."""
-    if variant == "freepage":
-        kernel = ctx.kernel(patched=True)
-    elif variant == "stock250":
-        kernel = ctx.kernel(patched=False, extra_patches=(STOCK250_PATCH,))
-    else:
-        kernel = ctx.kernel(patched=False)
-    reporting = variant != "off"
-    cfg = GuestConfig(kernel=kernel, initrd=ctx.initrd(initrd_name, script), mem_mib=mem_mib,
-                      free_page_reporting=reporting)
-    return cfg, reporting
-
-
-def boot_variant(ctx: RunContext, variant: str, tag: str, initrd_name: str, script: str,
-                 mem_mib: int, timeout_s: float,
-                 marks: tuple[str, str] = ("start", "done")) -> Boot | None:
-    """Boot one variant, run its script, measure the VMM between two console marks."""
-    cfg, reporting = variant_config(ctx, variant, initrd_name, script, mem_mib)
-    extra = ("--no-init-bits",) + (() if reporting else ("--no-reporting",))
-    host = ctx.balloon_host(cfg, tag, extra)
-    guest = ctx.runner().guest(tag, cfg, ctx.log(tag))
-    if ctx.shell.dry_run:
-        guest.start()
-        return None
-    with host, guest:
-        probe = _daemon_probe(host)
-        _, m0, _ = guest.wait_for(rf"^{EVENT} {marks[0]}$", timeout_s)
-        vmm0, d0 = group_usage(guest.pid), probe()
-        _, m1, _ = guest.wait_for(rf"^{EVENT} {marks[1]}$", timeout_s)
-        vmm1, d1 = group_usage(guest.pid), probe()
-        # the script's status, not the power-off: a UML tearing down 2 GiB
-        # under load may take longer than wait_exit() grants; leaving the
-        # context kills what is left
-        _, _, m = guest.wait_for(rf"^{EXIT} (\d+)", timeout_s)
-        rc = int(m.group(1))
-    if rc != 0:
-        raise guest.error(f"{tag}: guest script failed (exit {rc})")
-    records = guest.json_records()
+def measure(booted: harness.Booted, marks: tuple[str, str] = ("start", "done")) -> Boot:
+    """What a boot measured between two marks (host probes, reporting counters)."""
+    vmm, daemon, window_s = booted.between(*marks)
+    records = booted.records()
     delta, delay = reporting_delta(records)
-    return Boot(variant, records, vmm1 - vmm0, d1 - d0, m1.t - m0.t, delta, delay)
+    return Boot(booted.variant.name, records, vmm, daemon, window_s, delta, delay)
 
 
-def _daemon_probe(host: object) -> Callable[[], Usage]:
-    proc = getattr(host, "proc", None)
-    if proc is None:
-        return Usage
-    return lambda: process_usage(proc.pid)
+def plan(script: str, initrd: str, mem_mib: int, timeout_s: float) -> harness.Plan:
+    """Boot, run the script, measure between its start and done marks; the
+    script's exit code suffices: a UML tearing down 2 GiB under load may take
+    longer to power off than a boot is granted, and leaving kills it."""
+    return harness.Plan(script, initrd=initrd, mem_mib=mem_mib, marks=("start", "done"),
+                        timeout_s=timeout_s, poweroff=False)
 
 
 # -- the churn scenario --------------------------------------------------------
@@ -270,16 +223,17 @@ class Churn(Scenario):
     Params = ChurnParams
 
     def run(self, ctx: RunContext, params: ChurnParams) -> Outcome:
-        check_variants(self.name, params.variants)
-        script = churn_script(params)
+        variants = harness.pick(self.name, "reporting", params.variants)
+        boot_plan = plan(churn_script(params), f"churn-{ctx.platform}", params.mem_mib,
+                         params.timeout_s)
         boots: list[ChurnBoot] = []
         traces: dict[str, list[dict]] = {}
         for rnd in range(params.repeat):
-            for variant in rotation(params.variants, rnd):
-                tag = f"churn-{ctx.platform}-{variant}-{rnd}"
-                boot = boot_variant(ctx, variant, tag, f"churn-{ctx.platform}", script,
-                                    params.mem_mib, params.timeout_s)
-                if boot is not None:
+            for variant in harness.order(variants, rnd, rotate=True):
+                tag = f"churn-{ctx.platform}-{variant.name}-{rnd}"
+                booted = harness.boot(ctx, variant, tag, boot_plan)
+                if booted is not None:
+                    boot = measure(booted)
                     boots.append(churn_boot(boot))
                     traces[tag] = reporting_trace(boot.records)
         if ctx.shell.dry_run:

@@ -13,13 +13,14 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import harness
 from ..context import RunContext
 from ..guestshell import BALLOON_BOUND, reporting_snapshot
 from ..initramfs import EVENT
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, table
-from .churn import boot_variant, check_variants, rotation, spread
+from .churn import measure, plan, spread
 
 
 @dataclass
@@ -69,18 +70,19 @@ class Pagefault(Scenario):
     Params = PagefaultParams
 
     def run(self, ctx: RunContext, params: PagefaultParams) -> Outcome:
-        check_variants(self.name, params.variants)
-        script = pagefault_script(params)
+        variants = harness.pick(self.name, "reporting", params.variants)
+        boot_plan = plan(pagefault_script(params), f"pagefault-{ctx.platform}", params.mem_mib,
+                         params.timeout_s)
         runs: dict[str, list[float]] = {v: [] for v in params.variants}
         delays: dict[str, list[int | None]] = {v: [] for v in params.variants}
         for rnd in range(params.repeat):
-            for variant in rotation(params.variants, rnd):
-                tag = f"pagefault-{ctx.platform}-{variant}-{rnd}"
-                boot = boot_variant(ctx, variant, tag, f"pagefault-{ctx.platform}", script,
-                                    params.mem_mib, params.timeout_s)
-                if boot is not None:
-                    runs[variant].append(faults_per_s(boot.records))
-                    delays[variant].append(boot.current_delay_ms)
+            for variant in harness.order(variants, rnd, rotate=True):
+                tag = f"pagefault-{ctx.platform}-{variant.name}-{rnd}"
+                booted = harness.boot(ctx, variant, tag, boot_plan)
+                if booted is not None:
+                    boot = measure(booted)
+                    runs[variant.name].append(faults_per_s(boot.records))
+                    delays[variant.name].append(boot.current_delay_ms)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         summary = summarise_pagefault(runs)

@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from .. import harness, platforms
 from ..context import RunContext
 from ..guestshell import (
     BENCH_PROG,
@@ -50,12 +51,10 @@ from ..guestshell import (
     thp,
 )
 from ..initramfs import EVENT
-from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
-from . import Outcome, Scenario, abba, run_checked, table
+from . import Outcome, Scenario, table
 from .zerobench import BENCH_PATCH
-from .zeroskip import LIMIT_PATCH
 
 COUNTERS = PREZERO_COUNTERS
 VARIANTS = ("vanilla", "off", "on", "limit")
@@ -124,8 +123,8 @@ def check_params(p: PrezeroParams, platform: str) -> tuple[str, ...]:
         order = kzero_order(mode)
         if mode not in POPULATE_MODES and (order is None or order > 10):
             raise LabError(f"prezero: unknown mode {mode!r}: 4k, thp, hugetlb, kzero<0..10>")
-        if platform == "uml" and mode in ("thp", "hugetlb"):
-            raise LabError(f"prezero: UML has no {mode}")
+        if mode in POPULATE_MODES and mode not in platforms.platform(platform).populate_modes:
+            raise LabError(f"prezero: {platform} has no {mode}")
     if not modes:
         raise LabError("prezero: no modes")
     if p.populate_mib >= p.mem_mib or p.populate_mib % HUGE_PAGE_MIB or p.repeat < 1:
@@ -180,23 +179,16 @@ def guest_script(p: PrezeroParams, modes: Sequence[str], variant: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def kernel_for(ctx: RunContext, variant: str, modes: Sequence[str]) -> Path:
-    """The variant's kernel; with the in-kernel benchmark if a kzero mode needs it."""
-    patches: tuple[str, ...] = (BENCH_PATCH,) if any(kzero_order(m) is not None
-                                                      for m in modes) else ()
-    if variant == "limit":
-        patches += (LIMIT_PATCH,)
-    return ctx.kernel(patched=variant != "vanilla", extra_patches=patches)
+def variant_for(variant: harness.Variant, modes: Sequence[str]) -> harness.Variant:
+    """The variant's kernel carries the in-kernel benchmark if a kzero mode needs it."""
+    if any(kzero_order(m) is not None for m in modes):
+        return replace(variant, extra_patches=(BENCH_PATCH, *variant.extra_patches))
+    return variant
 
 
-def icount_args(ctx: RunContext, icount: bool) -> list[str]:
-    if ctx.platform != "qemu" or not icount:
-        return []
-    accel = getattr(ctx.runner(), "accel", None)
-    if accel != "tcg":
-        raise LabError(f"prezero: -icount needs QEMU TCG, not {accel}: add --accel tcg "
-                       "or --param icount=false")
-    return ["-icount", "shift=0,sleep=off"]
+def counts_instructions(ctx: RunContext, icount: bool) -> bool:
+    """Guest time counts instructions (QEMU TCG -icount) in this run."""
+    return icount and bool(ctx.machine.icount)
 
 
 @dataclass
@@ -211,31 +203,32 @@ class Measure:
 class Prezero(Scenario):
     name = "prezero"
     Params = PrezeroParams
+    platforms = tuple(PLATFORM_MODES)
 
-    def _guest(self, ctx: RunContext, p: PrezeroParams, modes: Sequence[str], variant: str,
-               rep: int, extra: list[str]) -> list[Measure]:
-        cfg = GuestConfig(kernel=kernel_for(ctx, variant, modes),
-                          initrd=ctx.initrd(f"prezero-{ctx.platform}-{variant}",
-                                            guest_script(p, modes, variant)),
-                          mem_mib=p.mem_mib, balloon=False, extra_args=list(extra))
-        guest = run_checked(ctx, cfg, f"prezero-{ctx.platform}-{variant}-{rep}", "prezero",
-                            p.timeout_s)
+    def _guest(self, ctx: RunContext, p: PrezeroParams, modes: Sequence[str],
+               variant: harness.Variant, rep: int) -> list[Measure]:
+        plan = harness.Plan(guest_script(p, modes, variant.name),
+                            initrd=f"prezero-{ctx.platform}-{variant.name}", mem_mib=p.mem_mib,
+                            icount=counts_instructions(ctx, p.icount), timeout_s=p.timeout_s)
+        guest = harness.boot(ctx, variant_for(variant, modes),
+                             f"prezero-{ctx.platform}-{variant.name}-{rep}", plan)
         if guest is None:
             return []
-        events = parse_events([ln.text for ln in guest.lines])
-        pops = [r for r in guest.json_records("populate") if r["tag"] == "measure"]
-        bad = [r for r in pops if r["nonzero_bytes"] and variant != "limit"]
+        variant_name = variant.name
+        events = parse_events(guest.lines)
+        pops = [r for r in guest.records("populate") if r["tag"] == "measure"]
+        bad = [r for r in pops if r["nonzero_bytes"] and variant_name != "limit"]
         if bad:
             raise guest.error(f"prezero: {bad[0]['nonzero_bytes']} non-zero bytes in a "
                               f"{bad[0]['mode']} populate: a page called zero was not")
-        zeros = [r for r in guest.json_records(BENCH_PROG) if r.get("test") == "zero"]
+        zeros = [r for r in guest.records(BENCH_PROG) if r.get("test") == "zero"]
         out = []
         for mode in modes:
             order = kzero_order(mode)
             if order is None:
                 rec = next(r for r in pops if r["mode"] == mode)
                 ms, nonzero = rec["populate_ns"] / 1e6, rec["nonzero_bytes"]
-            elif variant == "limit":
+            elif variant_name == "limit":
                 continue
             else:
                 krec = next(r for r in zeros if int(r["order"]) == order)
@@ -247,20 +240,20 @@ class Prezero(Scenario):
         return out
 
     def run(self, ctx: RunContext, params: PrezeroParams) -> Outcome:
-        if ctx.platform not in PLATFORM_MODES:
-            raise LabError(f"prezero runs on {' or '.join(PLATFORM_MODES)}, not {ctx.platform}")
         modes = check_params(params, ctx.platform)
-        extra = icount_args(ctx, params.icount)
+        if counts_instructions(ctx, params.icount):
+            harness.check_icount(ctx, self.name)
+        variants = harness.pick(self.name, "prezero", params.variants)
         if "bench.config" not in ctx.extra_fragments:
             print("prezero: no --fragment bench.config: the series' debug check reads every "
                   "page it skips clearing; numbers are not representative", flush=True)
         runs: dict[str, list[Measure]] = {v: [] for v in params.variants}
         for rep in range(params.repeat):
-            for variant in abba(params.variants, rep):
-                runs[variant] += self._guest(ctx, params, modes, variant, rep, extra)
+            for variant in harness.order(variants, rep):
+                runs[variant.name] += self._guest(ctx, params, modes, variant, rep)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
-        unit = "instructions (1e-6)" if extra else "ms"
+        unit = "instructions (1e-6)" if counts_instructions(ctx, params.icount) else "ms"
         data = summarise_run(params, modes, runs)
         data.update(platform=ctx.platform, time_unit=unit)
         ctx.save(f"prezero-{ctx.platform}", data)

@@ -46,15 +46,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import harness
 from ..context import RunContext
 from ..guestshell import kcpu_function, kcpu_snapshot, prezero_helpers, require_prezero
 from ..initramfs import EVENT
-from ..runners import GuestConfig
 from ..shell import LabError, Shell
 from ..stats import fmt_ratio, median_ratio, summarise
-from . import Outcome, Scenario, abba, run_checked, table
+from . import Outcome, Scenario, table
 
-VARIANTS = ("off", "nt", "cached")
+VARIANTS = tuple(harness.family("prezero_cost"))
 NOCACHE = {"nt": 1, "cached": 0}
 LLC = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
 
@@ -168,21 +168,21 @@ def cpu_held(shell: Shell, cpu: int) -> Iterator[None]:
 class PrezeroCost(Scenario):
     name = "prezero_cost"
     Params = PrezeroCostParams
+    platforms = ("uml",)
+    needs = "native caches"
 
     def _guest(self, ctx: RunContext, p: PrezeroCostParams, variant: str, rep: int,
                wss_kib: int) -> list[Walk]:
-        cfg = GuestConfig(kernel=ctx.kernel(patched=True),
-                          initrd=ctx.initrd(f"prezero-cost-{variant}",
-                                            guest_script(p, variant, wss_kib)),
-                          mem_mib=p.mem_mib, balloon=False,
-                          host_cpu=p.host_cpu if p.host_cpu >= 0 else None)
-        guest = run_checked(ctx, cfg, f"prezero-cost-{variant}-{rep}", "prezero_cost",
-                            p.timeout_s)
+        plan = harness.Plan(guest_script(p, variant, wss_kib), initrd=f"prezero-cost-{variant}",
+                            mem_mib=p.mem_mib, timeout_s=p.timeout_s,
+                            host_cpu=p.host_cpu if p.host_cpu >= 0 else None)
+        guest = harness.boot(ctx, harness.family("prezero_cost")[variant],
+                             f"prezero-cost-{variant}-{rep}", plan)
         if guest is None:
             return []
-        walks = {int(r["tag"]): r for r in guest.json_records("cachewalk")}
+        walks = {int(r["tag"]): r for r in guest.records("cachewalk")}
         out = []
-        for i, (a, b) in sorted((k, v) for k, v in windows([ln.text for ln in guest.lines]).items()
+        for i, (a, b) in sorted((k, v) for k, v in windows(guest.lines).items()
                                 if len(v) == 2):
             share, exact = cpu_share(a, b)
             r = walks[i]
@@ -193,12 +193,7 @@ class PrezeroCost(Scenario):
         return out
 
     def run(self, ctx: RunContext, params: PrezeroCostParams) -> Outcome:
-        if ctx.platform != "uml":
-            raise LabError("prezero_cost runs on UML (native caches)")
-        unknown = [v for v in params.variants if v not in VARIANTS]
-        if unknown or not params.variants:
-            raise LabError(f"prezero_cost: unknown variants {unknown}; choose from "
-                           f"{', '.join(VARIANTS)}")
+        harness.pick(self.name, "prezero_cost", params.variants)
         if params.pool_mib >= params.mem_mib:
             raise LabError("prezero_cost: pool_mib must be below mem_mib")
         ncpu = os.cpu_count() or 1
@@ -211,7 +206,7 @@ class PrezeroCost(Scenario):
         held = cpu_held(ctx.shell, params.host_cpu) if params.hold_cpu else nullcontext()
         with held:
             for rep in range(params.repeat):
-                for variant in abba(params.variants, rep):
+                for variant in harness.order(params.variants, rep):
                     runs[variant] += self._guest(ctx, params, variant, rep, wss)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")

@@ -55,6 +55,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import harness
 from ..context import RunContext
 from ..guestshell import (
     BENCH_PROG,
@@ -65,10 +66,9 @@ from ..guestshell import (
     vmstat_delta,
     vmstat_save,
 )
-from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import median_ratio, summarise
-from . import Outcome, Scenario, abba, run_checked, table
+from . import Outcome, Scenario, table
 
 # test-only: the in-kernel benchmark, applied to every kernel here
 BENCH_PATCH = "page-zeroed-bench.patch"
@@ -194,22 +194,14 @@ def ratios(samples: dict[str, list[float]], pairs: tuple[tuple[str, str, str], .
             for key, a, b in pairs if samples.get(a) and samples.get(b)}
 
 
-def icount_args(ctx: RunContext, params: ZerobenchParams) -> list[str]:
-    """QEMU arguments that make guest time count instructions (TCG only)."""
-    if not params.icount:
-        return []
-    accel = getattr(ctx.runner(), "accel", None)
-    if accel != "tcg":
-        raise LabError(f"zerobench: -icount needs QEMU TCG, not {accel}: add --accel tcg "
-                       "or --param icount=false")
-    return ["-icount", "shift=0,sleep=off"]
+def counts_instructions(ctx: RunContext, params: ZerobenchParams) -> bool:
+    """Guest time counts instructions (QEMU TCG -icount) in this run."""
+    return params.icount and bool(ctx.machine.icount)
 
 
 def time_unit(ctx: RunContext, params: ZerobenchParams) -> str:
     """What a guest "ns" is on this platform."""
-    if ctx.platform == "qemu" and params.icount:
-        return "instructions"
-    return "ns"
+    return "instructions" if counts_instructions(ctx, params) else "ns"
 
 
 def spread(s: dict) -> str:
@@ -223,49 +215,44 @@ def ratio_cell(r: dict) -> str:
 class Zerobench(Scenario):
     name = "zerobench"
     Params = ZerobenchParams
+    platforms = ("uml", "qemu")
 
-    def _guest(self, ctx: RunContext, params: ZerobenchParams, variant: str, rnd: int,
-               orders: tuple[int, ...], qemu_args: list[str]) -> tuple[list[dict], list[dict]]:
-        cfg = GuestConfig(kernel=ctx.kernel(patched=variant != "vanilla",
-                                            extra_patches=(BENCH_PATCH,)),
-                          initrd=ctx.initrd(f"zerobench-{ctx.platform}",
-                                            guest_script(params, orders)),
-                          mem_mib=params.mem_mib)
-        tag = f"zerobench-{ctx.platform}-{variant}-{rnd}"
-        if ctx.platform == "qemu":
-            cfg.extra_args += qemu_args
-        # UML: the daemon offers bit 6 (reported pages read as zero) only for "on"
-        host = ctx.balloon_host(cfg, tag, () if variant == "on" else ("--no-zero-bits",))
-        guest = run_checked(ctx, cfg, tag, "zerobench", params.timeout_s, host=host,
-                            runner=ctx.balloon_runner(cfg, zeroing=variant == "on"))
+    def _guest(self, ctx: RunContext, params: ZerobenchParams, variant: harness.Variant,
+               rnd: int, orders: tuple[int, ...], plan: harness.Plan) -> tuple[list[dict], list[dict]]:
+        # the device zeroes (bit 6: reported pages read as zero) for "on" only
+        guest = harness.boot(ctx, variant, f"zerobench-{ctx.platform}-{variant.name}-{rnd}", plan)
         if guest is None:
             return [], []
-        records = guest.json_records(BENCH_PROG)
+        records = guest.records(BENCH_PROG)
         zeros = [r for r in records if r.get("test") == "zero"]
         fast = [r for r in records if r.get("test") == "fastpath"]
         if len(zeros) != params.repeat * len(orders) or len(fast) != params.fastpath_repeat:
             raise guest.error(f"zerobench: expected {params.repeat * len(orders)} zero and "
                               f"{params.fastpath_repeat} fastpath records, got {len(zeros)} "
                               f"and {len(fast)}")
-        return records, guest.json_records("vmstat")
+        return records, guest.records("vmstat")
 
     def run(self, ctx: RunContext, params: ZerobenchParams) -> Outcome:
-        if ctx.platform not in ("uml", "qemu"):
-            raise LabError(f"zerobench runs on UML or QEMU, not {ctx.platform}")
         orders = check_params(params)
         unit = time_unit(ctx, params)
         # before any kernel is built: -icount without TCG is an error
-        qemu_args = icount_args(ctx, params) if ctx.platform == "qemu" else []
+        if counts_instructions(ctx, params):
+            harness.check_icount(ctx, self.name)
+        variants = [v.with_patches(BENCH_PATCH)
+                    for v in harness.pick(self.name, "zeroing", params.variants)]
+        plan = harness.Plan(guest_script(params, orders), initrd=f"zerobench-{ctx.platform}",
+                            mem_mib=params.mem_mib, timeout_s=params.timeout_s,
+                            icount=counts_instructions(ctx, params))
         if "bench.config" not in ctx.extra_fragments:
             print("zerobench: no --fragment bench.config: the patched kernels verify every "
                   "known-zero page, so on/off numbers are not representative", flush=True)
         records: dict[str, list[dict]] = {v: [] for v in params.variants}
         vmstat: dict[str, list[dict]] = {v: [] for v in params.variants}
         for rnd in range(params.rounds):
-            for variant in abba(params.variants, rnd):
-                r, s = self._guest(ctx, params, variant, rnd, orders, qemu_args)
-                records[variant] += r
-                vmstat[variant] += s
+            for variant in harness.order(variants, rnd):
+                r, s = self._guest(ctx, params, variant, rnd, orders, plan)
+                records[variant.name] += r
+                vmstat[variant.name] += s
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         data = summarise_run(params, orders, records, vmstat)

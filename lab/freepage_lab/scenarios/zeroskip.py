@@ -19,15 +19,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import harness
 from ..context import RunContext
 from ..guestshell import flush_if_present, pcp_high_fraction, thp, vmstat_delta, vmstat_save
-from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
-from . import Outcome, Scenario, abba, run_checked, table
+from . import Outcome, Scenario, table
 
 # test-only: a kernel that never zeroes anonymous/THP/hugetlb user pages (unsafe)
-LIMIT_PATCH = "unsafe-no-user-page-zeroing.patch"
+LIMIT_PATCH = harness.LIMIT_PATCH
 COUNTERS = ("pgzero_skipped", "pgzero_missed", "pgzero_marked_reported", "pgzero_merge_lost")
 
 
@@ -73,43 +73,37 @@ def guest_script(p: ZeroskipParams, modes: tuple[str, ...]) -> str:
 class Zeroskip(Scenario):
     name = "zeroskip"
     Params = ZeroskipParams
+    platforms = ("uml", "qemu")
 
-    def _guest(self, ctx: RunContext, params: ZeroskipParams, variant: str, rnd: int,
-               modes: tuple[str, ...]) -> tuple[list[dict], list[dict]]:
-        patched = variant != "vanilla"
-        patches: tuple[str, ...] = (LIMIT_PATCH,) if variant == "limit" else ()
-        cfg = GuestConfig(kernel=ctx.kernel(patched=patched, extra_patches=patches),
-                          initrd=ctx.initrd(f"zeroskip-{ctx.platform}",
-                                            guest_script(params, modes)),
-                          mem_mib=params.mem_mib)
-        runner = ctx.balloon_runner(cfg, zeroing=variant == "on")
-        tag = f"zeroskip-{ctx.platform}-{variant}-{rnd}"
-        # UML: the daemon offers bit 6 only for "on"
-        host = ctx.balloon_host(cfg, tag, () if variant == "on" else ("--no-zero-bits",))
-        guest = run_checked(ctx, cfg, tag, "zeroskip", params.timeout_s, host=host,
-                            runner=runner)
-        if guest is None:
+    def _guest(self, ctx: RunContext, variant: harness.Variant, rnd: int,
+               plan: harness.Plan) -> tuple[list[dict], list[dict]]:
+        # the device zeroes (bit 6: the patched QEMU, vhost-user-balloon) for "on" only
+        booted = harness.boot(ctx, variant, f"zeroskip-{ctx.platform}-{variant.name}-{rnd}", plan)
+        if booted is None:
             return [], []
-        measured = [r for r in guest.json_records("populate") if r["tag"] == "measure"]
+        measured = [r for r in booted.records("populate") if r["tag"] == "measure"]
         # the limit kernel does not zero user memory at all: garbage is expected there
-        bad = [r for r in measured if r["nonzero_bytes"] and variant != "limit"]
+        bad = [r for r in measured if r["nonzero_bytes"] and variant.name != "limit"]
         if bad:
-            raise guest.error(f"zeroskip: {bad[0]['nonzero_bytes']} non-zero bytes in a "
+            raise booted.error(f"zeroskip: {bad[0]['nonzero_bytes']} non-zero bytes in a "
                               f"{bad[0]['mode']} populate: a page called zero was not")
-        return measured, guest.json_records("vmstat")
+        return measured, booted.records("vmstat")
 
     def run(self, ctx: RunContext, params: ZeroskipParams) -> Outcome:
-        modes = params.modes if ctx.platform == "qemu" else tuple(
-            m for m in params.modes if m == "4k")  # UML: no THP, no hugetlb
+        modes = tuple(m for m in params.modes if m in ctx.machine.populate_modes)
         if not modes:
-            raise LabError("zeroskip on UML runs the 4k mode only")
+            raise LabError(f"zeroskip on {ctx.platform} runs the "
+                           f"{', '.join(ctx.machine.populate_modes)} modes only")
+        variants = harness.pick(self.name, "zeroing", params.variants)
+        plan = harness.Plan(guest_script(params, modes), initrd=f"zeroskip-{ctx.platform}",
+                            mem_mib=params.mem_mib, timeout_s=params.timeout_s)
         pops: dict[str, list[dict]] = {v: [] for v in params.variants}
         stats: dict[str, list[dict]] = {v: [] for v in params.variants}
         for rnd in range(params.rounds):
-            for variant in abba(params.variants, rnd):
-                p, s = self._guest(ctx, params, variant, rnd, modes)
-                pops[variant] += p
-                stats[variant] += s
+            for variant in harness.order(variants, rnd):
+                p, s = self._guest(ctx, variant, rnd, plan)
+                pops[variant.name] += p
+                stats[variant.name] += s
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         data: dict[str, Any] = {"platform": ctx.platform, "params": asdict(params), "modes": {}}
