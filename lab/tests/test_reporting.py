@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from freepage_lab import harness
 from freepage_lab.context import RunContext
-from freepage_lab.footprint import Sampler
 from freepage_lab.guestshell import BALLOON_BOUND
 from freepage_lab.initramfs import EVENT
 from freepage_lab.runners import GuestConfig
@@ -49,17 +49,18 @@ populate --mib {FREED_MIB} --mode 4k --fill 165 --tag report
 echo {EVENT} freed
 sleep {WITHIN_S + 1:.0f}
 """
-    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("report", script), mem_mib=mem_mib)
-    host = ctx.balloon_host(cfg, "report")
-    # Debian's QEMU on the qemu platform: only the guest kernel is under test
-    runner = ctx.runner(patched_qemu=False)
-    g = runner.guest(f"report-{platform}", cfg, ctx.log("report"))
-    with host, g, Sampler(lambda: runner.footprint_bytes(g), 0.02) as sampler:
-        _, freed, _ = g.wait_for(rf"^{EVENT} freed$", 180)
+    # the context's kernel on Debian's QEMU: only the guest kernel is under test
+    variant = harness.Variant(KERNEL, stock_qemu=True, zeroing=None)
+    plan = harness.Plan(script, initrd="report", mem_mib=mem_mib, timeout_s=180,
+                        footprint_s=0.02)
+    with harness.start(ctx, variant, f"report-{platform}", plan) as run:
+        assert run is not None
+        freed = run.mark("freed").line
         while time.monotonic() < freed.t + WITHIN_S + 0.1:
             time.sleep(0.1)
-        samples = list(sampler.samples)
-        assert g.wait_exit(60) == 0
+        assert run.wait_exit(60) == 0
+    samples = harness.check(run.booted).footprint
+    rate = run.booted.footprint_hz
     peak = max(s.bytes for s in samples if s.t <= freed.t + 0.1)
     window = [s for s in samples if freed.t <= s.t <= freed.t + WITHIN_S]
     low = min(s.bytes for s in window)
@@ -68,7 +69,7 @@ sleep {WITHIN_S + 1:.0f}
     t90_text = "never" if t90 is None else f"{t90:.2f} s"
     print(f"{platform} {KERNEL}: {(peak - low) / MIB:.0f} of {FREED_MIB} MiB ({fraction:.0%}) "
           f"released within {WITHIN_S:.0f} s of the free, 90% at {t90_text}, "
-          f"sampled at {sampler.rate_hz():.0f} Hz")
+          f"sampled at {rate:.0f} Hz")
     return fraction, t90
 
 
