@@ -277,8 +277,9 @@ def kernel(ctx: RunContext, variant: Variant) -> Path:
 
 def guest_config(ctx: RunContext, variant: Variant, name: str, plan: Plan,
                  **overrides: Any) -> GuestConfig:
+    """The variant's guest; `overrides` replace any GuestConfig field."""
     zero = zeroing(ctx, variant)
-    return GuestConfig(
+    cfg = GuestConfig(
         kernel=kernel(ctx, variant), initrd=ctx.initrd(plan.initrd or name, plan.script),
         mem_mib=plan.mem_mib, cmdline=list(plan.cmdline), extra_args=list(plan.extra_args),
         balloon=variant.balloon, free_page_reporting=variant.reporting,
@@ -286,7 +287,8 @@ def guest_config(ctx: RunContext, variant: Variant, name: str, plan: Plan,
         # QEMU refuses bit 6 without the reporting queue it belongs to
         device_init_reported=ctx.machine.patched_qemu and zero and variant.reporting,
         device_init_on_inflate=ctx.machine.patched_qemu and zero,
-        cpu=plan.cpu, smp=plan.smp, icount=plan.icount, host_cpu=plan.host_cpu, **overrides)
+        cpu=plan.cpu, smp=plan.smp, icount=plan.icount, host_cpu=plan.host_cpu)
+    return replace(cfg, **overrides)
 
 
 def runner(ctx: RunContext, variant: Variant) -> Runner:
@@ -333,22 +335,27 @@ class Running:
 
 
 @contextmanager
-def start(ctx: RunContext, variant: Variant, name: str, plan: Plan,
+def start(ctx: RunContext, variant: Variant, name: str, plan: Plan, *,
+          run_with: Runner | None = None, daemon: BalloonBackend | None = None,
           **overrides: Any) -> Iterator[Running | None]:
     """Boot `variant` with `plan` and yield it running (None on a dry run,
     after printing every command); leaving kills the guest and stops the
-    daemon. `overrides`: GuestConfig fields (qmp_socket, incoming, ...)."""
+    daemon. `overrides`: GuestConfig fields (qmp_socket, incoming, ...).
+    `run_with`: the caller's runner (a QEMU build with test-only patches);
+    `daemon`: a vhost-user-balloon the caller runs, which outlives the guest."""
     cfg = guest_config(ctx, variant, name, plan, **overrides)
-    run_with = runner(ctx, variant)
-    backend = None
-    if variant.balloon and (ctx.machine.balloon_daemon or variant.vhost_user):
+    run_with = run_with or runner(ctx, variant)
+    backend = daemon
+    if (backend is None and variant.balloon
+            and (ctx.machine.balloon_daemon or variant.vhost_user)):
         backend = BalloonBackend(ctx.shell, ctx.run_dir / f"{name}.sock",
                                  ctx.log(f"{name}-backend"), daemon_args(variant))
+    if backend is not None:
         cfg.vhost_user_balloon = backend.socket
     guest = run_with.guest(name, cfg, ctx.log(name), interactive=plan.interactive)
     booted = Booted(name, variant, guest, run_with)
     with ExitStack() as stack:
-        if backend is not None:
+        if backend is not None and backend is not daemon:
             stack.enter_context(backend)
         if ctx.shell.dry_run:
             guest.start()

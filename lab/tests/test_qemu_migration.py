@@ -42,11 +42,10 @@ from pathlib import Path
 
 import pytest
 
-from freepage_lab import guestshell, kernel, qemu
-from freepage_lab.context import RunContext
+from freepage_lab import guestshell, harness, kernel, qemu
 from freepage_lab.guest import Guest
 from freepage_lab.initramfs import BOOTED, EVENT
-from freepage_lab.runners import STOCK_QEMU, GuestConfig, QemuRunner, Qmp
+from freepage_lab.runners import STOCK_QEMU, QemuRunner, Qmp
 from freepage_lab.scenarios.migrate import free_port
 from freepage_lab.shell import Shell
 
@@ -206,23 +205,18 @@ class Outcome:
         return len(self.features) > n and self.features[n] == "1"
 
 
-def migrate_while_freeing(tmp_path: Path, plan: Plan, report: bool,
-                          inflate_mib: int = 0, **device: bool) -> Outcome:
-    """Boot, fill, migrate; free (and inflate) mid-migration; verify on the destination."""
-    shell = Shell()
-    ctx = RunContext(shell=shell, run_dir=tmp_path, platform="qemu", accel="tcg", patched=True)
-    runner = QemuRunner(shell, "tcg", qemu_binary(shell))
-    cmdline = CMDLINE
-    initrd = ctx.initrd("migrate-zero", guest_script(plan, report))
+def migrate_while_freeing(lab, plan: Plan, report: bool, inflate_mib: int = 0,
+                          **device: bool) -> Outcome:
+    """Boot, fill, migrate; free (and inflate) mid-migration; verify on the destination.
+    `device`: the balloon's bits (GuestConfig fields), as the test asks."""
+    tmp_path = lab.tmp_path
+    ctx = lab.context("qemu", patched=True)
+    runner = QemuRunner(ctx.shell, "tcg", qemu_binary(ctx.shell))
     port = free_port()
-    common = dict(kernel=ctx.kernel(), initrd=initrd, mem_mib=plan.mem_mib, cmdline=cmdline,
-                  free_page_reporting=report, **device)
-    src_cfg = GuestConfig(**common, qmp_socket=tmp_path / "src.qmp")  # type: ignore[arg-type]
-    # -S: the destination stays paused after the migration, for the compare
-    dst_cfg = GuestConfig(**common, qmp_socket=tmp_path / "dst.qmp",  # type: ignore[arg-type]
-                          incoming=f"tcp:127.0.0.1:{port}", extra_args=["-S"])
-    src = runner.guest("src", src_cfg, ctx.log("src"), interactive=True)
-    dst = runner.guest("dst", dst_cfg, ctx.log("dst"), interactive=True)
+    variant = harness.Variant("migrate", reporting=report)
+    boot = dict(initrd="migrate-zero", mem_mib=plan.mem_mib, cmdline=tuple(CMDLINE),
+                interactive=True, run_with=runner)
+    script = guest_script(plan, report)
     t0 = time.monotonic()
     events: dict[str, dict[str, int]] = {}
 
@@ -231,7 +225,14 @@ def migrate_while_freeing(tmp_path: Path, plan: Plan, report: bool,
         events[name] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line.text)}
         print(f"[{time.monotonic() - t0:5.0f} s] {line.text}", flush=True)
 
-    with src, dst:
+    # -S: the destination stays paused after the migration, for the compare
+    with lab.start(ctx, "src", script, variant, **boot,
+                   overrides=dict(device, qmp_socket=tmp_path / "src.qmp")) as src_run, \
+            lab.start(ctx, "dst", script, variant, **boot,
+                      extra_args=("-S",),
+                      overrides=dict(device, qmp_socket=tmp_path / "dst.qmp",
+                                     incoming=f"tcp:127.0.0.1:{port}")) as dst_run:
+        src, dst = src_run.guest, dst_run.guest
         _, _, m = src.wait_for(rf"^{EVENT} features ([01]+)", 120)
         features = m.group(1)
         event(src, "filled", 300)
@@ -301,8 +302,8 @@ def assert_destination_reads_zero(out: Outcome) -> None:
         assert out.populates[tag]["nonzero_bytes"] == 0, out.populates[tag]
 
 
-def test_reported_pages_read_zero_on_the_destination(tmp_path: Path) -> None:
-    out = migrate_while_freeing(tmp_path, Plan(), report=True,
+def test_reported_pages_read_zero_on_the_destination(lab) -> None:
+    out = migrate_while_freeing(lab, Plan(), report=True,
                                 device_init_reported=BASELINE != "stock")
     assert_destination_reads_zero(out)
     if BASELINE != "stock":  # stock QEMU does not offer the bit
@@ -314,9 +315,9 @@ def test_reported_pages_read_zero_on_the_destination(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(BASELINE == "stock", reason="stock QEMU does not offer bit 7")
-def test_deflated_pages_read_zero_on_the_destination(tmp_path: Path) -> None:
+def test_deflated_pages_read_zero_on_the_destination(lab) -> None:
     plan = Plan()
-    out = migrate_while_freeing(tmp_path, plan, report=False, inflate_mib=plan.fill_mib - 100,
+    out = migrate_while_freeing(lab, plan, report=False, inflate_mib=plan.fill_mib - 100,
                                 device_init_on_inflate=True)
     assert_destination_reads_zero(out)
     assert out.bit(BALLOON_BIT_DEVICE_INIT_ON_INFLATE), \

@@ -16,16 +16,12 @@ from __future__ import annotations
 import os
 import re
 import time
-from pathlib import Path
 
 import pytest
 
 from freepage_lab import harness
-from freepage_lab.context import RunContext
 from freepage_lab.guestshell import BALLOON_BOUND
 from freepage_lab.initramfs import EVENT
-from freepage_lab.runners import GuestConfig
-from freepage_lab.shell import Shell
 
 pytestmark = pytest.mark.slow
 MIB = 1 << 20
@@ -36,14 +32,9 @@ KERNEL = "freepage" if PATCHED else "stock"
 SYSFS = "/sys/kernel/mm/page_reporting"
 
 
-def ctx_for(tmp_path: Path, platform: str) -> RunContext:
-    return RunContext(shell=Shell(), run_dir=tmp_path, platform=platform, accel="tcg",
-                      patched=PATCHED)
-
-
-def released_within(tmp_path: Path, platform: str, mem_mib: int) -> tuple[float, float | None]:
+def released_within(lab, platform: str, mem_mib: int) -> tuple[float, float | None]:
     """Boot, free FREED_MIB of 4 KiB pages; (fraction released within WITHIN_S, t90 s)."""
-    ctx = ctx_for(tmp_path, platform)
+    ctx = lab.context(platform, patched=PATCHED)
     script = f"""{BALLOON_BOUND}
 populate --mib {FREED_MIB} --mode 4k --fill 165 --tag report
 echo {EVENT} freed
@@ -51,10 +42,8 @@ sleep {WITHIN_S + 1:.0f}
 """
     # the context's kernel on Debian's QEMU: only the guest kernel is under test
     variant = harness.Variant(KERNEL, stock_qemu=True, zeroing=None)
-    plan = harness.Plan(script, initrd="report", mem_mib=mem_mib, timeout_s=180,
-                        footprint_s=0.02)
-    with harness.start(ctx, variant, f"report-{platform}", plan) as run:
-        assert run is not None
+    with lab.start(ctx, f"report-{platform}", script, variant, initrd="report", mem_mib=mem_mib,
+                   timeout_s=180, footprint_s=0.02) as run:
         freed = run.mark("freed").line
         while time.monotonic() < freed.t + WITHIN_S + 0.1:
             time.sleep(0.1)
@@ -73,13 +62,13 @@ sleep {WITHIN_S + 1:.0f}
     return fraction, t90
 
 
-def test_uml_gives_back_90_percent_of_4k_frees_within_5s(tmp_path):
-    fraction, _ = released_within(tmp_path, "uml", 1024)
+def test_uml_gives_back_90_percent_of_4k_frees_within_5s(lab):
+    fraction, _ = released_within(lab, "uml", 1024)
     assert fraction >= 0.9, f"UML, {KERNEL} kernel: only {fraction:.0%} released in {WITHIN_S} s"
 
 
-def test_qemu_gives_back_90_percent_of_4k_frees_within_5s(tmp_path):
-    fraction, _ = released_within(tmp_path, "qemu", 1024)
+def test_qemu_gives_back_90_percent_of_4k_frees_within_5s(lab):
+    fraction, _ = released_within(lab, "qemu", 1024)
     assert fraction >= 0.9, f"QEMU, {KERNEL} kernel: only {fraction:.0%} released in {WITHIN_S} s"
 
 
@@ -92,8 +81,8 @@ REFUSED = (("order", "11", "Invalid argument"), ("order", "-1", "Invalid argumen
 ACCEPTED = (("delay_ms", "250"), ("batch", "16"), ("budget_pages", "0"))
 
 
-def test_every_knob_refuses_out_of_range_writes(tmp_path):
-    ctx = ctx_for(tmp_path, "uml")
+def test_every_knob_refuses_out_of_range_writes(lab):
+    ctx = lab.context("uml", patched=PATCHED)
     lines = []
     for knob, value, _ in REFUSED:
         lines.append(f"if err=$( (echo {value} > {SYSFS}/{knob}) 2>&1 ); then "
@@ -101,11 +90,10 @@ def test_every_knob_refuses_out_of_range_writes(tmp_path):
                      f"else echo \"KNOB {knob}={value} refused: $err\"; fi")
     for knob, value in ACCEPTED:
         lines.append(f"echo {value} > {SYSFS}/{knob}; echo \"KNOB {knob} reads $(cat {SYSFS}/{knob})\"")
-    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("knobs", "\n".join(lines) + "\n"),
-                      mem_mib=256)
-    with ctx.runner().guest("knobs", cfg, ctx.log("knobs")) as g:
-        g.wait_exit(60)
-        out = [ln.text.strip() for ln in g.lines if ln.text.startswith("KNOB ")]
+    # UML: no balloon without a daemon
+    with lab.start(ctx, "knobs", "\n".join(lines) + "\n", lab.BARE, mem_mib=256) as run:
+        run.wait_exit(60)
+        out = [t.strip() for t in run.booted.lines if t.startswith("KNOB ")]
     print("\n".join(out))
     for knob, value, error in REFUSED:
         line = next(ln for ln in out if ln.startswith(f"KNOB {knob}={value} "))
