@@ -380,6 +380,18 @@ def start(ctx: RunContext, variant: Variant, name: str, plan: Plan, *,
                 booted.huge = samplers[-1].samples
 
 
+def rounds(ctx: RunContext, variants: Sequence[Variant], count: int, prefix: str, plan: Plan,
+           rotate: bool = False) -> Iterator[Booted]:
+    """Boot every variant once a round, `count` rounds, each round in
+    order() (ABBA, or rotated), each boot named "<prefix>-<variant>-<round>";
+    yield the checked boots (a dry run prints their commands, yields none)."""
+    for rnd in range(count):
+        for variant in order(variants, rnd, rotate):
+            booted = boot(ctx, variant, f"{prefix}-{variant.name}-{rnd}", plan)
+            if booted is not None:
+                yield booted
+
+
 def boot(ctx: RunContext, variant: Variant, name: str, plan: Plan) -> Booted | None:
     """Boot, wait for every mark and the exit, check exit code and warnings."""
     with start(ctx, variant, name, plan) as run:

@@ -228,14 +228,11 @@ class Churn(Scenario):
                          params.timeout_s)
         boots: list[ChurnBoot] = []
         traces: dict[str, list[dict]] = {}
-        for rnd in range(params.repeat):
-            for variant in harness.order(variants, rnd, rotate=True):
-                tag = f"churn-{ctx.platform}-{variant.name}-{rnd}"
-                booted = harness.boot(ctx, variant, tag, boot_plan)
-                if booted is not None:
-                    boot = measure(booted)
-                    boots.append(churn_boot(boot))
-                    traces[tag] = reporting_trace(boot.records)
+        for booted in harness.rounds(ctx, variants, params.repeat, f"churn-{ctx.platform}",
+                                     boot_plan, rotate=True):
+            boot = measure(booted)
+            boots.append(churn_boot(boot))
+            traces[booted.name] = reporting_trace(boot.records)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         summary = summarise_churn(boots, params.variants)

@@ -75,14 +75,11 @@ class Pagefault(Scenario):
                          params.timeout_s)
         runs: dict[str, list[float]] = {v: [] for v in params.variants}
         delays: dict[str, list[int | None]] = {v: [] for v in params.variants}
-        for rnd in range(params.repeat):
-            for variant in harness.order(variants, rnd, rotate=True):
-                tag = f"pagefault-{ctx.platform}-{variant.name}-{rnd}"
-                booted = harness.boot(ctx, variant, tag, boot_plan)
-                if booted is not None:
-                    boot = measure(booted)
-                    runs[variant.name].append(faults_per_s(boot.records))
-                    delays[variant.name].append(boot.current_delay_ms)
+        for booted in harness.rounds(ctx, variants, params.repeat, f"pagefault-{ctx.platform}",
+                                     boot_plan, rotate=True):
+            boot = measure(booted)
+            runs[booted.variant.name].append(faults_per_s(boot.records))
+            delays[booted.variant.name].append(boot.current_delay_ms)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         summary = summarise_pagefault(runs)

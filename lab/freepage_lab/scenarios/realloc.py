@@ -66,17 +66,14 @@ class Realloc(Scenario):
         ctx.initrd(plan.initrd, plan.script)
         samples: dict[str, dict[str, list[dict]]] = {v: {m: [] for m in params.modes}
                                                      for v in VARIANTS}
-        for rnd in range(params.rounds):
-            for variant in harness.order(harness.pick(self.name, "realloc", VARIANTS), rnd):
-                booted = harness.boot(ctx, variant, f"realloc-{variant.name}-{rnd}", plan)
-                if booted is None:
-                    continue
-                for rec in booted.records("populate"):
-                    if rec["tag"] == "measure":
-                        if rec["nonzero_bytes"]:
-                            raise LabError(f"realloc: {rec['nonzero_bytes']} non-zero bytes in "
-                                           f"freshly populated memory ({booted.guest.log_path})")
-                        samples[variant.name][rec["mode"]].append(rec)
+        variants = harness.pick(self.name, "realloc", VARIANTS)
+        for booted in harness.rounds(ctx, variants, params.rounds, "realloc", plan):
+            for rec in booted.records("populate"):
+                if rec["tag"] == "measure":
+                    if rec["nonzero_bytes"]:
+                        raise LabError(f"realloc: {rec['nonzero_bytes']} non-zero bytes in "
+                                       f"freshly populated memory ({booted.guest.log_path})")
+                    samples[booted.variant.name][rec["mode"]].append(rec)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         data: dict = {"platform": ctx.platform, "params": asdict(params), "modes": {}}

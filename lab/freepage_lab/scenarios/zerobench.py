@@ -217,12 +217,10 @@ class Zerobench(Scenario):
     Params = ZerobenchParams
     platforms = ("uml", "qemu")
 
-    def _guest(self, ctx: RunContext, params: ZerobenchParams, variant: harness.Variant,
-               rnd: int, orders: tuple[int, ...], plan: harness.Plan) -> tuple[list[dict], list[dict]]:
+    @staticmethod
+    def _guest(params: ZerobenchParams, guest: harness.Booted,
+               orders: tuple[int, ...]) -> tuple[list[dict], list[dict]]:
         # the device zeroes (bit 6: reported pages read as zero) for "on" only
-        guest = harness.boot(ctx, variant, f"zerobench-{ctx.platform}-{variant.name}-{rnd}", plan)
-        if guest is None:
-            return [], []
         records = guest.records(BENCH_PROG)
         zeros = [r for r in records if r.get("test") == "zero"]
         fast = [r for r in records if r.get("test") == "fastpath"]
@@ -248,11 +246,11 @@ class Zerobench(Scenario):
                   "known-zero page, so on/off numbers are not representative", flush=True)
         records: dict[str, list[dict]] = {v: [] for v in params.variants}
         vmstat: dict[str, list[dict]] = {v: [] for v in params.variants}
-        for rnd in range(params.rounds):
-            for variant in harness.order(variants, rnd):
-                r, s = self._guest(ctx, params, variant, rnd, orders, plan)
-                records[variant.name] += r
-                vmstat[variant.name] += s
+        for booted in harness.rounds(ctx, variants, params.rounds, f"zerobench-{ctx.platform}",
+                                     plan):
+            r, s = self._guest(params, booted, orders)
+            records[booted.variant.name] += r
+            vmstat[booted.variant.name] += s
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         data = summarise_run(params, orders, records, vmstat)

@@ -98,17 +98,8 @@ class Zerofirst(Scenario):
     platforms = ("uml", "qemu")
     needs = "a balloon that zeroes reported pages"
 
-    def _guest(self, ctx: RunContext, p: ZerofirstParams, variant: harness.Variant,
-               rnd: int) -> list[Sample]:
-        # the same zeroing host for every variant: only the guest differs
-        plan = harness.Plan(guest_script(p), initrd=f"zerofirst-{ctx.platform}",
-                            mem_mib=p.mem_mib, cmdline=("init_on_alloc=1",),
-                            marks=tuple(f"{m} {i}" for i in range(p.iterations)
-                                        for m in ("work", "done")),
-                            timeout_s=p.timeout_s, footprint_s=0.05)
-        guest = harness.boot(ctx, variant, f"zerofirst-{ctx.platform}-{variant.name}-{rnd}", plan)
-        if guest is None:
-            return []
+    @staticmethod
+    def _guest(p: ZerofirstParams, guest: harness.Booted) -> list[Sample]:
         marks = [(guest.marks[f"work {i}"].line.t + 0.25, guest.marks[f"done {i}"].line.t + 0.45)
                  for i in range(p.iterations)]
         work = [r for r in guest.records("populate") if r["tag"] == "work"]
@@ -128,9 +119,15 @@ class Zerofirst(Scenario):
     def run(self, ctx: RunContext, params: ZerofirstParams) -> Outcome:
         runs: dict[str, list[Sample]] = {v: [] for v in params.variants}
         variants = harness.pick(self.name, "zerofirst", params.variants)
-        for rnd in range(params.rounds):
-            for variant in harness.order(variants, rnd):
-                runs[variant.name] += self._guest(ctx, params, variant, rnd)
+        # the same zeroing host for every variant: only the guest differs
+        plan = harness.Plan(guest_script(params), initrd=f"zerofirst-{ctx.platform}",
+                            mem_mib=params.mem_mib, cmdline=("init_on_alloc=1",),
+                            marks=tuple(f"{m} {i}" for i in range(params.iterations)
+                                        for m in ("work", "done")),
+                            timeout_s=params.timeout_s, footprint_s=0.05)
+        for booted in harness.rounds(ctx, variants, params.rounds, f"zerofirst-{ctx.platform}",
+                                     plan):
+            runs[booted.variant.name] += self._guest(params, booted)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         data: dict[str, Any] = {"platform": ctx.platform, "params": asdict(params),

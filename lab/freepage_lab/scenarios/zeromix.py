@@ -363,13 +363,8 @@ class Zeromix(Scenario):
     name = "zeromix"
     Params = ZeromixParams
 
-    def _boot(self, ctx: RunContext, params: ZeromixParams, variant: harness.Variant,
-              rnd: int) -> Boot | None:
-        plan = harness.Plan(guest_script(params, ctx.platform), initrd=f"zeromix-{ctx.platform}",
-                            mem_mib=params.mem_mib, timeout_s=params.timeout_s)
-        booted = harness.boot(ctx, variant, f"zeromix-{ctx.platform}-{variant.name}-{rnd}", plan)
-        if booted is None:
-            return None
+    @staticmethod
+    def _boot(params: ZeromixParams, booted: harness.Booted) -> Boot:
         guest = booted.guest
         lines = booted.lines
         boot = parse_console(lines)
@@ -395,11 +390,11 @@ class Zeromix(Scenario):
         for variant in variants:
             harness.kernel(ctx, variant)
         boots: dict[str, list[Boot]] = {v: [] for v in params.variants}
-        for rnd in range(params.rounds):
-            for variant in harness.order(variants, rnd):
-                boot = self._boot(ctx, params, variant, rnd)
-                if boot is not None:
-                    boots[variant.name].append(boot)
+        plan = harness.Plan(guest_script(params, ctx.platform), initrd=f"zeromix-{ctx.platform}",
+                            mem_mib=params.mem_mib, timeout_s=params.timeout_s)
+        for booted in harness.rounds(ctx, variants, params.rounds, f"zeromix-{ctx.platform}",
+                                     plan):
+            boots[booted.variant.name].append(self._boot(params, booted))
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         data, text = report(ctx.platform, params, boots)

@@ -75,12 +75,10 @@ class Zeroskip(Scenario):
     Params = ZeroskipParams
     platforms = ("uml", "qemu")
 
-    def _guest(self, ctx: RunContext, variant: harness.Variant, rnd: int,
-               plan: harness.Plan) -> tuple[list[dict], list[dict]]:
+    @staticmethod
+    def _guest(booted: harness.Booted) -> tuple[list[dict], list[dict]]:
         # the device zeroes (bit 6: the patched QEMU, vhost-user-balloon) for "on" only
-        booted = harness.boot(ctx, variant, f"zeroskip-{ctx.platform}-{variant.name}-{rnd}", plan)
-        if booted is None:
-            return [], []
+        variant = booted.variant
         measured = [r for r in booted.records("populate") if r["tag"] == "measure"]
         # the limit kernel does not zero user memory at all: garbage is expected there
         bad = [r for r in measured if r["nonzero_bytes"] and variant.name != "limit"]
@@ -99,11 +97,11 @@ class Zeroskip(Scenario):
                             mem_mib=params.mem_mib, timeout_s=params.timeout_s)
         pops: dict[str, list[dict]] = {v: [] for v in params.variants}
         stats: dict[str, list[dict]] = {v: [] for v in params.variants}
-        for rnd in range(params.rounds):
-            for variant in harness.order(variants, rnd):
-                p, s = self._guest(ctx, variant, rnd, plan)
-                pops[variant.name] += p
-                stats[variant.name] += s
+        for booted in harness.rounds(ctx, variants, params.rounds, f"zeroskip-{ctx.platform}",
+                                     plan):
+            p, s = self._guest(booted)
+            pops[booted.variant.name] += p
+            stats[booted.variant.name] += s
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         data: dict[str, Any] = {"platform": ctx.platform, "params": asdict(params), "modes": {}}
