@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 
 import pytest
 
-from freepage_lab import harness
 from freepage_lab.backend import BalloonBackend
 from freepage_lab.context import RunContext
 from freepage_lab.footprint import Sampler
@@ -42,10 +41,11 @@ def daemon(ctx: RunContext, *extra: str) -> Iterator[BalloonBackend]:
         backend.stop()
 
 
-def guest(lab, ctx: RunContext, backend: BalloonBackend, name: str,
-          script: str) -> AbstractContextManager[harness.Running]:
-    """A guest on the harness, served by the test's daemon (which outlives it)."""
-    return lab.start(ctx, name, script, lab.PLAIN, mem_mib=512, daemon=backend)
+@contextmanager
+def guest(lab, ctx: RunContext, backend: BalloonBackend, name: str, script: str) -> Iterator[Guest]:
+    """A guest booted by the harness, served by the test's daemon (which outlives it)."""
+    with lab.start(ctx, name, script, lab.PLAIN, mem_mib=512, daemon=backend) as run:
+        yield run.guest
 
 
 def memory_file_bytes(ctx: RunContext, g: Guest) -> int:
@@ -97,9 +97,8 @@ echo {EVENT} freed
 sleep 15
 """
     with daemon(ctx) as backend:
-        with guest(lab, ctx, backend, "report", script) as run, \
-                Sampler(lambda: ctx.runner().footprint_bytes(run.guest)) as sampler:
-            g = run.guest
+        with guest(lab, ctx, backend, "report", script) as g, \
+                Sampler(lambda: ctx.runner().footprint_bytes(g)) as sampler:
             g.wait_for(rf"^{EVENT} ready$", 60)
             base = counters(backend)["counters"]
             _, freed_line, _ = g.wait_for(rf"^{EVENT} freed$", 60)
@@ -156,8 +155,7 @@ while [ $i -lt 240 ]; do
 done
 """
     with daemon(ctx, *extra) as backend:
-        with guest(lab, ctx, backend, "inflate", script) as run:
-            g = run.guest
+        with guest(lab, ctx, backend, "inflate", script) as g:
             g.wait_for(rf"^{EVENT} warmed$", 60)
             total0, free0 = next_meminfo(g)
             file0 = memory_file_bytes(ctx, g)
@@ -204,8 +202,7 @@ echo {EVENT} freed
 sleep 8
 """
     with daemon(ctx) as backend:
-        with guest(lab, ctx, backend, "first", first) as run:
-            g1 = run.guest
+        with guest(lab, ctx, backend, "first", first) as g1:
             g1.wait_for(rf"^{EVENT} bound$", 60)
             assert counters(backend)["connected"]
         # the guest was killed (SIGTERM/SIGKILL of its process group, no clean removal)
@@ -213,8 +210,7 @@ sleep 8
         assert backend.proc is not None and backend.proc.poll() is None
         before = counters(backend)["counters"]
 
-        with guest(lab, ctx, backend, "second", second) as run:
-            g2 = run.guest
+        with guest(lab, ctx, backend, "second", second) as g2:
             g2.wait_for(rf"^{EVENT} freed$", 60)
             wait_discarded("reports from the second guest", backend, before, 128 * MIB)
             assert g2.wait_exit(60) == 0
@@ -244,8 +240,7 @@ echo {EVENT} freed
 sleep 8
 """
     with daemon(ctx) as backend:
-        with guest(lab, ctx, backend, "rebind", script) as run:
-            g = run.guest
+        with guest(lab, ctx, backend, "rebind", script) as g:
             g.wait_for(rf"^{EVENT} rebound$", 60)
             before = counters(backend)["counters"]
             g.wait_for(rf"^{EVENT} freed$", 60)

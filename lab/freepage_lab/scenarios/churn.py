@@ -34,9 +34,9 @@ window between two marks and the guest's reporting counters.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .. import harness
 from ..context import RunContext
@@ -64,6 +64,8 @@ class Boot:
     window_s: float
     reporting: dict[str, int] = field(default_factory=dict)  # counter deltas (series only)
     current_delay_ms: int | None = None
+    # the boot's name (its log, its trace)
+    name: str = ""
 
 
 def reporting_delta(records: list[dict], before: str = "before",
@@ -89,7 +91,7 @@ def measure(booted: harness.Booted, marks: tuple[str, str] = ("start", "done")) 
     vmm, daemon, window_s = booted.between(*marks)
     records = booted.records()
     delta, delay = reporting_delta(records)
-    return Boot(booted.variant.name, records, vmm, daemon, window_s, delta, delay)
+    return Boot(booted.variant.name, records, vmm, daemon, window_s, delta, delay, booted.name)
 
 
 def plan(script: str, initrd: str, mem_mib: int, timeout_s: float) -> harness.Plan:
@@ -98,6 +100,27 @@ def plan(script: str, initrd: str, mem_mib: int, timeout_s: float) -> harness.Pl
     longer to power off than a boot is granted, and leaving kills it."""
     return harness.Plan(script, initrd=initrd, mem_mib=mem_mib, marks=("start", "done"),
                         timeout_s=timeout_s, poweroff=False)
+
+
+class Comparison(Protocol):
+    """The parameters churn and pagefault share."""
+
+    mem_mib: int
+    variants: tuple[str, ...]
+    repeat: int
+    timeout_s: int
+
+
+def measured_boots(ctx: RunContext, scenario: str, params: Comparison,
+                   script: str) -> Iterator[Boot]:
+    """`script` on every variant of the reporting family that `params`
+    names, `params.repeat` rounds, each variant in each position in turn;
+    each boot measured between its start and done marks."""
+    variants = harness.pick(scenario, "reporting", params.variants)
+    tag = f"{scenario}-{ctx.platform}"
+    boot_plan = plan(script, tag, params.mem_mib, params.timeout_s)
+    return (measure(b) for b in harness.rounds(ctx, variants, params.repeat, tag, boot_plan,
+                                               rotate=True))
 
 
 # -- the churn scenario --------------------------------------------------------
@@ -223,16 +246,11 @@ class Churn(Scenario):
     Params = ChurnParams
 
     def run(self, ctx: RunContext, params: ChurnParams) -> Outcome:
-        variants = harness.pick(self.name, "reporting", params.variants)
-        boot_plan = plan(churn_script(params), f"churn-{ctx.platform}", params.mem_mib,
-                         params.timeout_s)
         boots: list[ChurnBoot] = []
         traces: dict[str, list[dict]] = {}
-        for booted in harness.rounds(ctx, variants, params.repeat, f"churn-{ctx.platform}",
-                                     boot_plan, rotate=True):
-            boot = measure(booted)
+        for boot in measured_boots(ctx, self.name, params, churn_script(params)):
             boots.append(churn_boot(boot))
-            traces[booted.name] = reporting_trace(boot.records)
+            traces[boot.name] = reporting_trace(boot.records)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         summary = summarise_churn(boots, params.variants)

@@ -13,14 +13,13 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .. import harness
 from ..context import RunContext
 from ..guestshell import BALLOON_BOUND, reporting_snapshot
 from ..initramfs import EVENT
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, table
-from .churn import measure, plan, spread
+from .churn import measured_boots, spread
 
 
 @dataclass
@@ -70,16 +69,11 @@ class Pagefault(Scenario):
     Params = PagefaultParams
 
     def run(self, ctx: RunContext, params: PagefaultParams) -> Outcome:
-        variants = harness.pick(self.name, "reporting", params.variants)
-        boot_plan = plan(pagefault_script(params), f"pagefault-{ctx.platform}", params.mem_mib,
-                         params.timeout_s)
         runs: dict[str, list[float]] = {v: [] for v in params.variants}
         delays: dict[str, list[int | None]] = {v: [] for v in params.variants}
-        for booted in harness.rounds(ctx, variants, params.repeat, f"pagefault-{ctx.platform}",
-                                     boot_plan, rotate=True):
-            boot = measure(booted)
-            runs[booted.variant.name].append(faults_per_s(boot.records))
-            delays[booted.variant.name].append(boot.current_delay_ms)
+        for boot in measured_boots(ctx, self.name, params, pagefault_script(params)):
+            runs[boot.variant].append(faults_per_s(boot.records))
+            delays[boot.variant].append(boot.current_delay_ms)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         summary = summarise_pagefault(runs)
