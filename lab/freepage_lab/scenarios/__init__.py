@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .. import harness
 from ..context import RunContext
 from ..shell import LabError
 
@@ -30,6 +31,13 @@ class Scenario(ABC):
 
     @abstractmethod
     def run(self, ctx: RunContext, params: Any) -> Outcome: ...
+
+    @staticmethod
+    def plan(params: Any, script: str, initrd: str, **fields: Any) -> harness.Plan:
+        """A guest of the size and time limit the parameters give (mem_mib,
+        timeout_s) running `script`; `fields`: more harness.Plan fields."""
+        return harness.Plan(script, initrd=initrd, **{"mem_mib": params.mem_mib,
+                                                      "timeout_s": params.timeout_s, **fields})
 
     def params(self, overrides: dict[str, str]) -> Any:
         """Params dataclass from key=value strings, types taken from the defaults."""

@@ -68,9 +68,8 @@ class Migrate(Scenario):
         """Two guests on top of the harness: the source, and the destination
         it migrates to (-incoming); both end after the migration."""
         harness.runner(ctx, variant)
-        plan = harness.Plan(guest_script(params, workload), initrd=f"migrate-{workload}",
-                            mem_mib=params.mem_mib, cpu=params.cpu or None,
-                            timeout_s=params.timeout_s)
+        plan = self.plan(params, guest_script(params, workload), f"migrate-{workload}",
+                         cpu=params.cpu or None)
         ctx.initrd(plan.initrd, plan.script)
         port = free_port()
         tag = f"migrate-{workload}-{variant.name}-{rnd}"

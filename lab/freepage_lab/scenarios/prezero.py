@@ -207,9 +207,9 @@ class Prezero(Scenario):
 
     def _guest(self, ctx: RunContext, p: PrezeroParams, modes: Sequence[str],
                variant: harness.Variant, rep: int) -> list[Measure]:
-        plan = harness.Plan(guest_script(p, modes, variant.name),
-                            initrd=f"prezero-{ctx.platform}-{variant.name}", mem_mib=p.mem_mib,
-                            icount=counts_instructions(ctx, p.icount), timeout_s=p.timeout_s)
+        plan = self.plan(p, guest_script(p, modes, variant.name),
+                         f"prezero-{ctx.platform}-{variant.name}",
+                         icount=counts_instructions(ctx, p.icount))
         guest = harness.boot(ctx, variant_for(variant, modes),
                              f"prezero-{ctx.platform}-{variant.name}-{rep}", plan)
         if guest is None:

@@ -173,9 +173,8 @@ class PrezeroCost(Scenario):
 
     def _guest(self, ctx: RunContext, p: PrezeroCostParams, variant: str, rep: int,
                wss_kib: int) -> list[Walk]:
-        plan = harness.Plan(guest_script(p, variant, wss_kib), initrd=f"prezero-cost-{variant}",
-                            mem_mib=p.mem_mib, timeout_s=p.timeout_s,
-                            host_cpu=p.host_cpu if p.host_cpu >= 0 else None)
+        plan = self.plan(p, guest_script(p, variant, wss_kib), f"prezero-cost-{variant}",
+                         host_cpu=p.host_cpu if p.host_cpu >= 0 else None)
         guest = harness.boot(ctx, harness.family("prezero_cost")[variant],
                              f"prezero-cost-{variant}-{rep}", plan)
         if guest is None:

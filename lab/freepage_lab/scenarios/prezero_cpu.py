@@ -145,8 +145,7 @@ class PrezeroCpu(Scenario):
         check_params(params)
         if params.icount:
             harness.check_icount(ctx, self.name)
-        plan = harness.Plan(guest_script(params), initrd="prezero-cpu", mem_mib=params.mem_mib,
-                            icount=params.icount, timeout_s=params.timeout_s)
+        plan = self.plan(params, guest_script(params), "prezero-cpu", icount=params.icount)
         guest = harness.boot(ctx, harness.family("prezero_cpu")["series"], "prezero-cpu", plan)
         if guest is None:
             return Outcome(self.name, {}, "(dry run)")

@@ -73,9 +73,8 @@ class PrezeroFootprint(Scenario):
     needs = "vhost-user-balloon, the memory file's blocks"
 
     def _guest(self, ctx: RunContext, p: PrezeroFootprintParams, rep: int) -> Window | None:
-        plan = harness.Plan(guest_script(p), initrd="prezero-footprint", mem_mib=p.mem_mib,
-                            marks=("off all", "on all", "end all"), timeout_s=p.timeout_s,
-                            footprint_s=0.05)
+        plan = self.plan(p, guest_script(p), "prezero-footprint",
+                         marks=("off all", "on all", "end all"), footprint_s=0.05)
         guest = harness.boot(ctx, harness.family("prezero_footprint")["series"],
                              f"prezero-footprint-{rep}", plan)
         if guest is None:

@@ -61,8 +61,7 @@ class Realloc(Scenario):
     needs = "THP in the guest"
 
     def run(self, ctx: RunContext, params: ReallocParams) -> Outcome:
-        plan = harness.Plan(guest_script(params), initrd="realloc", mem_mib=params.mem_mib,
-                            timeout_s=params.timeout_s)
+        plan = self.plan(params, guest_script(params), "realloc")
         ctx.initrd(plan.initrd, plan.script)
         samples: dict[str, dict[str, list[dict]]] = {v: {m: [] for m in params.modes}
                                                      for v in VARIANTS}

@@ -125,11 +125,10 @@ class ReclaimScenario(Scenario):
             raise LabError("reclaim: needs at least one variant, repeat >= 1 and rounds >= 1")
         variants = [harness.CONTEXT if n == CONTEXT else known[n] for n in params.variants]
         n = len(rounds_of(params))
-        plan = harness.Plan(guest_script(params), initrd="reclaim", mem_mib=params.mem_mib,
-                            marks=tuple(f"{what} {i}" for i in range(n)
-                                        for what in ("populate", "freed")),
-                            timeout_s=params.timeout_s, footprint_s=params.interval_s,
-                            huge_s=0.1)
+        plan = self.plan(params, guest_script(params), "reclaim",
+                         marks=tuple(f"{what} {i}" for i in range(n)
+                                     for what in ("populate", "freed")),
+                         footprint_s=params.interval_s, huge_s=0.1)
         ctx.initrd(plan.initrd, plan.script)
         if ctx.shell.dry_run:  # each variant's command line once
             for v in variants:

@@ -211,8 +211,8 @@ class Split(Scenario):
             # 1 GiB pages are only sure to be found at boot
             cmdline += ["hugepagesz=1G", f"hugepages={p.mib // 1024}", "hugepagesz=2M"]
             mem = p.mem_mib or mem + p.mib
-        plan = harness.Plan(guest_script(p), initrd="split", mem_mib=mem,
-                            cmdline=tuple(cmdline), icount=True, smp=1, timeout_s=p.timeout_s)
+        plan = self.plan(p, guest_script(p), "split", mem_mib=mem, cmdline=tuple(cmdline),
+                         icount=True, smp=1)
         ctx.initrd(plan.initrd, plan.script)
         samples: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
         for rnd in range(p.rounds):

@@ -238,9 +238,8 @@ class Zerobench(Scenario):
             harness.check_icount(ctx, self.name)
         variants = [v.with_patches(BENCH_PATCH)
                     for v in harness.pick(self.name, "zeroing", params.variants)]
-        plan = harness.Plan(guest_script(params, orders), initrd=f"zerobench-{ctx.platform}",
-                            mem_mib=params.mem_mib, timeout_s=params.timeout_s,
-                            icount=counts_instructions(ctx, params))
+        plan = self.plan(params, guest_script(params, orders), f"zerobench-{ctx.platform}",
+                         icount=counts_instructions(ctx, params))
         if "bench.config" not in ctx.extra_fragments:
             print("zerobench: no --fragment bench.config: the patched kernels verify every "
                   "known-zero page, so on/off numbers are not representative", flush=True)

@@ -120,11 +120,11 @@ class Zerofirst(Scenario):
         runs: dict[str, list[Sample]] = {v: [] for v in params.variants}
         variants = harness.pick(self.name, "zerofirst", params.variants)
         # the same zeroing host for every variant: only the guest differs
-        plan = harness.Plan(guest_script(params), initrd=f"zerofirst-{ctx.platform}",
-                            mem_mib=params.mem_mib, cmdline=("init_on_alloc=1",),
-                            marks=tuple(f"{m} {i}" for i in range(params.iterations)
-                                        for m in ("work", "done")),
-                            timeout_s=params.timeout_s, footprint_s=0.05)
+        plan = self.plan(params, guest_script(params), f"zerofirst-{ctx.platform}",
+                         cmdline=("init_on_alloc=1",),
+                         marks=tuple(f"{m} {i}" for i in range(params.iterations)
+                                     for m in ("work", "done")),
+                         footprint_s=0.05)
         for booted in harness.rounds(ctx, variants, params.rounds, f"zerofirst-{ctx.platform}",
                                      plan):
             runs[booted.variant.name] += self._guest(params, booted)

@@ -390,8 +390,7 @@ class Zeromix(Scenario):
         for variant in variants:
             harness.kernel(ctx, variant)
         boots: dict[str, list[Boot]] = {v: [] for v in params.variants}
-        plan = harness.Plan(guest_script(params, ctx.platform), initrd=f"zeromix-{ctx.platform}",
-                            mem_mib=params.mem_mib, timeout_s=params.timeout_s)
+        plan = self.plan(params, guest_script(params, ctx.platform), f"zeromix-{ctx.platform}")
         for booted in harness.rounds(ctx, variants, params.rounds, f"zeromix-{ctx.platform}",
                                      plan):
             boots[booted.variant.name].append(self._boot(params, booted))

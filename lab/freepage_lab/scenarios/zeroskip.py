@@ -93,8 +93,7 @@ class Zeroskip(Scenario):
             raise LabError(f"zeroskip on {ctx.platform} runs the "
                            f"{', '.join(ctx.machine.populate_modes)} modes only")
         variants = harness.pick(self.name, "zeroing", params.variants)
-        plan = harness.Plan(guest_script(params, modes), initrd=f"zeroskip-{ctx.platform}",
-                            mem_mib=params.mem_mib, timeout_s=params.timeout_s)
+        plan = self.plan(params, guest_script(params, modes), f"zeroskip-{ctx.platform}")
         pops: dict[str, list[dict]] = {v: [] for v in params.variants}
         stats: dict[str, list[dict]] = {v: [] for v in params.variants}
         for booted in harness.rounds(ctx, variants, params.rounds, f"zeroskip-{ctx.platform}",
