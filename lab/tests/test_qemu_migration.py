@@ -65,21 +65,18 @@ DMESG = "FREEPAGE-DMESG"
 CMDLINE = ["kunit.enable=0"]
 
 
-@dataclass
-class Plan:
-    mem_mib: int = 1024
-    fill_mib: int = 600
-    verify_mib: int = 800
-    bandwidth_mib_s: int = 30
-    # keeps the migration from converging until the guest has freed its data
-    churn_mib: int = 8
+# the guest, the data it frees mid-migration, the populates that verify
+MEM_MIB, FILL_MIB, VERIFY_MIB = 1024, 600, 800
+BANDWIDTH_MIB_S = 30
+# keeps the migration from converging until the guest has freed its data
+CHURN_MIB = 8
 
 
 def vmstat(name: str) -> str:
     return f"awk '/^{name} /{{print $2}}' /proc/vmstat"
 
 
-def guest_script(p: Plan, report: bool = True) -> str:
+def guest_script(report: bool = True) -> str:
     """Fill, wait for the host, free (+ report), wait for the host, verify."""
     balloon = ("for d in /sys/bus/virtio/devices/*; do "
                "[ \"$(cat $d/device)\" = 0x0005 ] && echo ${d##*/}; done | head -1")
@@ -96,14 +93,14 @@ def guest_script(p: Plan, report: bool = True) -> str:
     return "\n".join([
         "echo 1000 > /proc/sys/vm/percpu_pagelist_high_fraction",
         "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled",
-        f"mount -o remount,size={p.fill_mib + 64}m /tmp",
+        f"mount -o remount,size={FILL_MIB + 64}m /tmp",
         f"dev=$({balloon})",
         f"echo \"{EVENT} features $(cat {features})\"",
         # tr is slow under TCG: make 8 MiB with it, and the rest with cat
         "head -c 8388608 /dev/zero | tr '\\000' '\\245' > /tmp/chunk",
-        f"cat $(yes /tmp/chunk | head -n {p.fill_mib // 8}) > /tmp/fill",
+        f"cat $(yes /tmp/chunk | head -n {FILL_MIB // 8}) > /tmp/fill",
         "rm /tmp/chunk",
-        f"dirty --mib {p.churn_mib} --pace-ms 100 > /dev/null &",
+        f"dirty --mib {CHURN_MIB} --pace-ms 100 > /dev/null &",
         "churn=$!",
         f"echo \"{EVENT} filled\"",
         "read go",
@@ -112,8 +109,8 @@ def guest_script(p: Plan, report: bool = True) -> str:
         "kill $churn; wait $churn || true",
         f"echo \"{EVENT} verify marked_freed=$({vmstat('pgzero_marked_freed')})\"",
         # exit 1 = non-zero bytes: the host reads the count from the JSON line
-        f"populate --mib {p.verify_mib} --mode 4k --verify --tag dst-4k || [ $? -eq 1 ]",
-        f"populate --mib {p.verify_mib} --mode thp --verify --tag dst-thp || [ $? -eq 1 ]",
+        f"populate --mib {VERIFY_MIB} --mode 4k --verify --tag dst-4k || [ $? -eq 1 ]",
+        f"populate --mib {VERIFY_MIB} --mode thp --verify --tag dst-thp || [ $? -eq 1 ]",
         f"echo \"{EVENT} vmstat $(grep -E '^pgzero_' /proc/vmstat | tr ' \\n' '= ')\"",
         # warnings print below the console's loglevel: show them from the log
         f"dmesg | grep -E 'WARNING:|BUG:|page_zeroed:' | sed 's/^/{DMESG} /' || true",
@@ -205,7 +202,7 @@ class Outcome:
         return len(self.features) > n and self.features[n] == "1"
 
 
-def migrate_while_freeing(lab, plan: Plan, report: bool, inflate_mib: int = 0,
+def migrate_while_freeing(lab, report: bool, inflate_mib: int = 0,
                           **device: bool) -> Outcome:
     """Boot, fill, migrate; free (and inflate) mid-migration; verify on the destination.
     `device`: the balloon's bits (GuestConfig fields), as the test asks."""
@@ -214,9 +211,9 @@ def migrate_while_freeing(lab, plan: Plan, report: bool, inflate_mib: int = 0,
     runner = QemuRunner(ctx.shell, "tcg", qemu_binary(ctx.shell))
     port = free_port()
     variant = harness.Variant("migrate", reporting=report)
-    boot = dict(initrd="migrate-zero", mem_mib=plan.mem_mib, cmdline=tuple(CMDLINE),
+    boot = dict(initrd="migrate-zero", mem_mib=MEM_MIB, cmdline=tuple(CMDLINE),
                 interactive=True, run_with=runner)
-    script = guest_script(plan, report)
+    script = guest_script(report)
     t0 = time.monotonic()
     events: dict[str, dict[str, int]] = {}
 
@@ -239,7 +236,7 @@ def migrate_while_freeing(lab, plan: Plan, report: bool, inflate_mib: int = 0,
         qs, qd = Qmp(tmp_path / "src.qmp"), Qmp(tmp_path / "dst.qmp")
         try:
             qs.execute("migrate-set-parameters", **{
-                "max-bandwidth": plan.bandwidth_mib_s * MIB, "downtime-limit": 1})
+                "max-bandwidth": BANDWIDTH_MIB_S * MIB, "downtime-limit": 1})
             qs.execute("migrate", uri=f"tcp:127.0.0.1:{port}")
             # the first pass has sent the data when the second sync begins
             first = wait_migration(qs, lambda i: i.get("ram", {}).get("dirty-sync-count", 0) >= 2,
@@ -249,14 +246,14 @@ def migrate_while_freeing(lab, plan: Plan, report: bool, inflate_mib: int = 0,
             src.send("go")
             event(src, "freed", 120)
             if inflate_mib:
-                wait_balloon(qs, plan.mem_mib - inflate_mib, 180)
+                wait_balloon(qs, MEM_MIB - inflate_mib, 180)
                 print(f"[{time.monotonic() - t0:5.0f} s] inflated {inflate_mib} MiB", flush=True)
             qs.execute("migrate-set-parameters", **{"downtime-limit": 2000})
             info = wait_migration(qs, lambda i: i.get("status") == "completed", 240)
             wait_migration(qd, lambda i: i.get("status") == "completed", 60)
             # both stopped: the destination must hold what the source holds
-            differ, where = differing_pages(dump(qs, plan.mem_mib, tmp_path / "src.mem"),
-                                            dump(qd, plan.mem_mib, tmp_path / "dst.mem"))
+            differ, where = differing_pages(dump(qs, MEM_MIB, tmp_path / "src.mem"),
+                                            dump(qd, MEM_MIB, tmp_path / "dst.mem"))
             for name in ("src.mem", "dst.mem"):
                 (tmp_path / name).unlink()
             print(f"[{time.monotonic() - t0:5.0f} s] {differ} pages differ between source and "
@@ -271,7 +268,7 @@ def migrate_while_freeing(lab, plan: Plan, report: bool, inflate_mib: int = 0,
                   f"{ram.get('transferred', 0) / MIB:.0f} MiB, {ram.get('duplicate')} zero "
                   f"pages, {ram.get('normal')} normal pages", flush=True)
             if inflate_mib:
-                wait_balloon(qd, plan.mem_mib, 180)
+                wait_balloon(qd, MEM_MIB, 180)
                 print(f"[{time.monotonic() - t0:5.0f} s] deflated on the destination", flush=True)
         finally:
             qs.close()
@@ -303,7 +300,7 @@ def assert_destination_reads_zero(out: Outcome) -> None:
 
 
 def test_reported_pages_read_zero_on_the_destination(lab) -> None:
-    out = migrate_while_freeing(lab, Plan(), report=True,
+    out = migrate_while_freeing(lab, report=True,
                                 device_init_reported=BASELINE != "stock")
     assert_destination_reads_zero(out)
     if BASELINE != "stock":  # stock QEMU does not offer the bit
@@ -316,8 +313,7 @@ def test_reported_pages_read_zero_on_the_destination(lab) -> None:
 
 @pytest.mark.skipif(BASELINE == "stock", reason="stock QEMU does not offer bit 7")
 def test_deflated_pages_read_zero_on_the_destination(lab) -> None:
-    plan = Plan()
-    out = migrate_while_freeing(lab, plan, report=False, inflate_mib=plan.fill_mib - 100,
+    out = migrate_while_freeing(lab, report=False, inflate_mib=FILL_MIB - 100,
                                 device_init_on_inflate=True)
     assert_destination_reads_zero(out)
     assert out.bit(BALLOON_BIT_DEVICE_INIT_ON_INFLATE), \
