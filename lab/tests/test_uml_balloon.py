@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from freepage_lab import harness
 from freepage_lab.backend import BalloonBackend
 from freepage_lab.context import RunContext
 from freepage_lab.footprint import Sampler
@@ -46,6 +47,16 @@ def guest(lab, ctx: RunContext, backend: BalloonBackend, name: str, script: str)
     """A guest booted by the harness, served by the test's daemon (which outlives it)."""
     with lab.start(ctx, name, script, lab.PLAIN, mem_mib=512, daemon=backend) as run:
         yield run.guest
+
+
+@contextmanager
+def booted(lab, ctx: RunContext, name: str, script: str,
+           *flags: str) -> Iterator[tuple[Guest, BalloonBackend]]:
+    """A guest and the daemon the harness runs for it (`flags`: the daemon's)."""
+    variant = harness.Variant(name, zeroing=None, daemon_args=flags)
+    with lab.start(ctx, name, script, variant, mem_mib=512) as run:
+        assert run.backend is not None
+        yield run.guest, run.backend
 
 
 def memory_file_bytes(ctx: RunContext, g: Guest) -> int:
@@ -96,19 +107,18 @@ populate --mib {freed // MIB} --mode 4k --fill 165 --tag report
 echo {EVENT} freed
 sleep 15
 """
-    with daemon(ctx) as backend:
-        with guest(lab, ctx, backend, "report", script) as g, \
-                Sampler(lambda: ctx.runner().footprint_bytes(g)) as sampler:
-            g.wait_for(rf"^{EVENT} ready$", 60)
-            base = counters(backend)["counters"]
-            _, freed_line, _ = g.wait_for(rf"^{EVENT} freed$", 60)
-            peak = max(s.bytes for s in sampler.samples if s.t <= freed_line.t + 0.5)
-            wait_until("the memory file to give back 90% of the freed memory",
-                       lambda: peak - memory_file_bytes(ctx, g) >= 0.9 * freed, 12, 0.2)
-            time.sleep(1.5)  # let the rest of the report in flight land
-            after = memory_file_bytes(ctx, g)
-            state = counters(backend)
-            assert g.wait_exit(60) == 0
+    with booted(lab, ctx, "report", script) as (g, backend), \
+            Sampler(lambda: ctx.runner().footprint_bytes(g)) as sampler:
+        g.wait_for(rf"^{EVENT} ready$", 60)
+        base = counters(backend)["counters"]
+        _, freed_line, _ = g.wait_for(rf"^{EVENT} freed$", 60)
+        peak = max(s.bytes for s in sampler.samples if s.t <= freed_line.t + 0.5)
+        wait_until("the memory file to give back 90% of the freed memory",
+                   lambda: peak - memory_file_bytes(ctx, g) >= 0.9 * freed, 12, 0.2)
+        time.sleep(1.5)  # let the rest of the report in flight land
+        after = memory_file_bytes(ctx, g)
+        state = counters(backend)
+        assert g.wait_exit(60) == 0
     c = state["counters"]
     released = peak - after
     discarded = c["discarded_bytes"] - base["discarded_bytes"]
@@ -154,20 +164,19 @@ while [ $i -lt 240 ]; do
   i=$((i+1))
 done
 """
-    with daemon(ctx, *extra) as backend:
-        with guest(lab, ctx, backend, "inflate", script) as g:
-            g.wait_for(rf"^{EVENT} warmed$", 60)
-            total0, free0 = next_meminfo(g)
-            file0 = memory_file_bytes(ctx, g)
-            reply = backend.request({"cmd": "set_target", "pages": pages})
-            assert reply == {"ok": True, "target": pages, "notified": True}
-            wait_until("actual == target", lambda: counters(backend)["actual"] == pages, 30)
-            total1, free1 = next_meminfo(g)
-            file1 = memory_file_bytes(ctx, g)
-            assert backend.request({"cmd": "set_target", "pages": 0})["ok"]
-            wait_until("actual == 0", lambda: counters(backend)["actual"] == 0, 30)
-            total2, free2 = next_meminfo(g)
-            state = counters(backend)
+    with booted(lab, ctx, "inflate", script, *extra) as (g, backend):
+        g.wait_for(rf"^{EVENT} warmed$", 60)
+        total0, free0 = next_meminfo(g)
+        file0 = memory_file_bytes(ctx, g)
+        reply = backend.request({"cmd": "set_target", "pages": pages})
+        assert reply == {"ok": True, "target": pages, "notified": True}
+        wait_until("actual == target", lambda: counters(backend)["actual"] == pages, 30)
+        total1, free1 = next_meminfo(g)
+        file1 = memory_file_bytes(ctx, g)
+        assert backend.request({"cmd": "set_target", "pages": 0})["ok"]
+        wait_until("actual == 0", lambda: counters(backend)["actual"] == 0, 30)
+        total2, free2 = next_meminfo(g)
+        state = counters(backend)
     c = state["counters"]
     print(f"MemTotal {total0 // 1024} -> {total1 // 1024} -> {total2 // 1024} KiB, "
           f"MemFree {free0 // 1024} -> {free1 // 1024} -> {free2 // 1024} KiB, "
@@ -239,14 +248,13 @@ populate --mib 128 --mode 4k --fill 165 --tag rebind
 echo {EVENT} freed
 sleep 8
 """
-    with daemon(ctx) as backend:
-        with guest(lab, ctx, backend, "rebind", script) as g:
-            g.wait_for(rf"^{EVENT} rebound$", 60)
-            before = counters(backend)["counters"]
-            g.wait_for(rf"^{EVENT} freed$", 60)
-            wait_discarded("reports after the rebind", backend, before, 128 * MIB)
-            # power-off removes the device; it must not hang on the reporting vq
-            assert g.wait_exit(60) == 0
+    with booted(lab, ctx, "rebind", script) as (g, backend):
+        g.wait_for(rf"^{EVENT} rebound$", 60)
+        before = counters(backend)["counters"]
+        g.wait_for(rf"^{EVENT} freed$", 60)
+        wait_discarded("reports after the rebind", backend, before, 128 * MIB)
+        # power-off removes the device; it must not hang on the reporting vq
+        assert g.wait_exit(60) == 0
     text = "\n".join(ln.text for ln in g.lines)
     assert "WARNING:" not in text and "slave reports error" not in text
     assert "probe with driver virtio_balloon failed" not in text
