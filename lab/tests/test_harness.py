@@ -124,3 +124,33 @@ def test_boot_order_abba_and_rotation():
     assert [harness.order("ab", r) for r in range(3)] == [list("ab"), list("ba"), list("ab")]
     assert [harness.order("abc", r, rotate=True) for r in range(3)] == [
         list("abc"), list("bca"), list("cab")]
+
+
+def test_rounds_boot_every_variant_once_a_round_in_abba_order(replay):
+    ctx, _ = replay("uml", "console-clean.log")
+    variants = [harness.family("reporting")[n] for n in ("off", "stock")]
+    plan = harness.Plan("true\n", timeout_s=30)
+    names = [b.name for b in harness.rounds(ctx, variants, 2, "t", plan)]
+    assert names == ["t-off-0", "t-stock-0", "t-stock-1", "t-off-1"]
+
+
+def test_a_daemon_of_the_caller_serves_the_guest_and_outlives_it(replay):
+    ctx, runner = replay("uml", "console-clean.log")
+    daemon = BalloonBackend(ctx.shell, ctx.run_dir / "shared.sock", ctx.log("shared"))
+    stopped = []
+    daemon.stop = lambda: stopped.append(True)  # type: ignore[method-assign]
+    plan = harness.Plan("true\n", timeout_s=30)
+    with harness.start(ctx, harness.family("reporting")["off"], "g", plan, daemon=daemon,
+                       mem_mib=64) as run:
+        assert run is not None and run.backend is daemon
+        assert run.wait_exit() == 0
+    assert runner.configs[0].vhost_user_balloon == daemon.socket
+    assert runner.configs[0].mem_mib == 64  # a GuestConfig override
+    assert not stopped
+
+
+def test_a_scenario_plan_takes_the_guest_size_from_the_parameters():
+    p = scenarios.get("zeroskip").params({"mem_mib": "512", "timeout_s": "30"})
+    plan = scenarios.Scenario.plan(p, "true\n", "z", mem_mib=256, marks=("a",))
+    assert (plan.mem_mib, plan.timeout_s, plan.initrd, plan.marks) == (256, 30, "z", ("a",))
+    assert scenarios.Scenario.plan(p, "true\n", "z").mem_mib == 512
