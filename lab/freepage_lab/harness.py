@@ -20,7 +20,7 @@ daemon while it runs (tests, migration).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -380,14 +380,16 @@ def start(ctx: RunContext, variant: Variant, name: str, plan: Plan, *,
                 booted.huge = samplers[-1].samples
 
 
-def rounds(ctx: RunContext, variants: Sequence[Variant], count: int, prefix: str, plan: Plan,
-           rotate: bool = False) -> Iterator[Booted]:
+def rounds(ctx: RunContext, variants: Sequence[Variant], count: int, prefix: str,
+           plan: Plan | Callable[[Variant], Plan], rotate: bool = False) -> Iterator[Booted]:
     """Boot every variant once a round, `count` rounds, each round in
     order() (ABBA, or rotated), each boot named "<prefix>-<variant>-<round>";
-    yield the checked boots (a dry run prints their commands, yields none)."""
+    yield the checked boots (a dry run prints their commands, yields none).
+    `plan`: one for all, or each variant's own."""
     for rnd in range(count):
         for variant in order(variants, rnd, rotate):
-            booted = boot(ctx, variant, f"{prefix}-{variant.name}-{rnd}", plan)
+            booted = boot(ctx, variant, f"{prefix}-{variant.name}-{rnd}",
+                          plan if isinstance(plan, Plan) else plan(variant))
             if booted is not None:
                 yield booted
 

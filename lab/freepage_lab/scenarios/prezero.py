@@ -205,16 +205,9 @@ class Prezero(Scenario):
     Params = PrezeroParams
     platforms = tuple(PLATFORM_MODES)
 
-    def _guest(self, ctx: RunContext, p: PrezeroParams, modes: Sequence[str],
-               variant: harness.Variant, rep: int) -> list[Measure]:
-        plan = self.plan(p, guest_script(p, modes, variant.name),
-                         f"prezero-{ctx.platform}-{variant.name}",
-                         icount=counts_instructions(ctx, p.icount))
-        guest = harness.boot(ctx, variant_for(variant, modes),
-                             f"prezero-{ctx.platform}-{variant.name}-{rep}", plan)
-        if guest is None:
-            return []
-        variant_name = variant.name
+    @staticmethod
+    def _guest(modes: Sequence[str], guest: harness.Booted) -> list[Measure]:
+        variant_name = guest.variant.name
         events = parse_events(guest.lines)
         pops = [r for r in guest.records("populate") if r["tag"] == "measure"]
         bad = [r for r in pops if r["nonzero_bytes"] and variant_name != "limit"]
@@ -248,9 +241,15 @@ class Prezero(Scenario):
             print("prezero: no --fragment bench.config: the series' debug check reads every "
                   "page it skips clearing; numbers are not representative", flush=True)
         runs: dict[str, list[Measure]] = {v: [] for v in params.variants}
-        for rep in range(params.repeat):
-            for variant in harness.order(variants, rep):
-                runs[variant.name] += self._guest(ctx, params, modes, variant, rep)
+
+        def plan(variant: harness.Variant) -> harness.Plan:
+            return self.plan(params, guest_script(params, modes, variant.name),
+                             f"prezero-{ctx.platform}-{variant.name}",
+                             icount=counts_instructions(ctx, params.icount))
+
+        for booted in harness.rounds(ctx, [variant_for(v, modes) for v in variants],
+                                     params.repeat, f"prezero-{ctx.platform}", plan):
+            runs[booted.variant.name] += self._guest(modes, booted)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         unit = "instructions (1e-6)" if counts_instructions(ctx, params.icount) else "ms"

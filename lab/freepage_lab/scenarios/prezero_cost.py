@@ -171,14 +171,8 @@ class PrezeroCost(Scenario):
     platforms = ("uml",)
     needs = "native caches"
 
-    def _guest(self, ctx: RunContext, p: PrezeroCostParams, variant: str, rep: int,
-               wss_kib: int) -> list[Walk]:
-        plan = self.plan(p, guest_script(p, variant, wss_kib), f"prezero-cost-{variant}",
-                         host_cpu=p.host_cpu if p.host_cpu >= 0 else None)
-        guest = harness.boot(ctx, harness.family("prezero_cost")[variant],
-                             f"prezero-cost-{variant}-{rep}", plan)
-        if guest is None:
-            return []
+    @staticmethod
+    def _guest(guest: harness.Booted) -> list[Walk]:
         walks = {int(r["tag"]): r for r in guest.records("cachewalk")}
         out = []
         for i, (a, b) in sorted((k, v) for k, v in windows(guest.lines).items()
@@ -192,7 +186,7 @@ class PrezeroCost(Scenario):
         return out
 
     def run(self, ctx: RunContext, params: PrezeroCostParams) -> Outcome:
-        harness.pick(self.name, "prezero_cost", params.variants)
+        variants = harness.pick(self.name, "prezero_cost", params.variants)
         if params.pool_mib >= params.mem_mib:
             raise LabError("prezero_cost: pool_mib must be below mem_mib")
         ncpu = os.cpu_count() or 1
@@ -203,10 +197,15 @@ class PrezeroCost(Scenario):
         wss = params.wss_kib or host_llc_kib() or 32768
         runs: dict[str, list[Walk]] = {v: [] for v in params.variants}
         held = cpu_held(ctx.shell, params.host_cpu) if params.hold_cpu else nullcontext()
+
+        def plan(variant: harness.Variant) -> harness.Plan:
+            return self.plan(params, guest_script(params, variant.name, wss),
+                             f"prezero-cost-{variant.name}",
+                             host_cpu=params.host_cpu if params.host_cpu >= 0 else None)
+
         with held:
-            for rep in range(params.repeat):
-                for variant in harness.order(params.variants, rep):
-                    runs[variant] += self._guest(ctx, params, variant, rep, wss)
+            for booted in harness.rounds(ctx, variants, params.repeat, "prezero-cost", plan):
+                runs[booted.variant.name] += self._guest(booted)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         data = summarise_run(params, wss, runs)
