@@ -43,6 +43,7 @@ test-kernel: deps
 test-qemu: deps
 	$(FREEPAGE) qemu check
 	$(FREEPAGE) qemu build
+	$(FREEPAGE) qemu qtest
 
 test-backend:
 	@if [ -f vhost-user-balloon/Cargo.toml ]; then $(MAKE) -C vhost-user-balloon test; \

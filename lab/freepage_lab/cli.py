@@ -86,6 +86,8 @@ def cmd_qemu(args: argparse.Namespace, shell: Shell) -> int:
         names = qemu.export(shell, tree)
         print(f"exported {len(names)} patches to {paths.QEMU_PATCH_DIR}")
         return 0
+    if args.action == "qtest":
+        return report([qemu.qtest_stage(shell, tuple(args.extra_patch))])
     return report([qemu.check(shell, qemu.load_series())])
 
 
@@ -228,9 +230,12 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_series)
 
     q = sub.add_parser("qemu", help="QEMU patch queue (qemu/): build, work tree, export, check")
-    q.add_argument("action", choices=("build", "tree", "export", "check"))
+    q.add_argument("action", choices=("build", "tree", "export", "check", "qtest"))
     q.add_argument("dir", nargs="?", default=None,
                    help="git work tree (tree: created; export: read); default qemu/tree")
+    q.add_argument("--extra-patch", action="append", default=[], metavar="NAME",
+                   help="qtest: also apply the test-only qemu/bench/NAME (e.g. one that "
+                        "takes a fix back out)")
     q.set_defaults(func=cmd_qemu)
 
     bt = sub.add_parser("boot", help="boot a guest and run a script")

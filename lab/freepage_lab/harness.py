@@ -58,7 +58,7 @@ class Variant:
     hint: bool = False
     # Debian's QEMU even with --patched-qemu: only the guest kernel differs
     stock_qemu: bool = False
-    # vhost-user-balloon on QEMU (vhost-user-device-pci, patched QEMU)
+    # vhost-user-balloon on QEMU (vhost-user-balloon-pci, patched QEMU)
     vhost_user: bool = False
     # more vhost-user-balloon arguments
     daemon_args: tuple[str, ...] = ()

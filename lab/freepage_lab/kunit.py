@@ -14,6 +14,8 @@ SUITE_RE = re.compile(r"^\s*# (\S+): pass:(\d+) fail:(\d+) skip:(\d+) total:(\d+
 class KunitResults:
     suites: dict[str, dict[str, int]] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)
+    # cases that skipped, with the reason they gave
+    skipped: dict[str, str] = field(default_factory=dict)
 
     @property
     def passed(self) -> int:
@@ -38,6 +40,8 @@ def parse(lines: list[str]) -> KunitResults:
         if m:
             continue
         m = RESULT_RE.match(line)
-        if m and m.group(1) == "not ok" and (m.group(3) or "").upper() != "SKIP":
+        if m and (m.group(3) or "").upper() == "SKIP":
+            res.skipped[m.group(2)] = line.split("#", 1)[1].strip()[4:].strip()
+        elif m and m.group(1) == "not ok":
             res.failed.append(m.group(2))
     return res

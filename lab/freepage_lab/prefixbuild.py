@@ -97,7 +97,8 @@ def run_kunit(shell: Shell, out: Path, label: str) -> str:
     if not res.ok:
         raise LabError(f"{label}: KUnit failed: {', '.join(res.failed) or 'no suite ran'}; "
                        f"see {log}")
-    return ", ".join(f"{name} {s['pass']}/{s['total']}" for name, s in sorted(res.suites.items()))
+    done = ", ".join(f"{name} {s['pass']}/{s['total']}" for name, s in sorted(res.suites.items()))
+    return done + "".join(f"; skipped {case} ({why})" for case, why in sorted(res.skipped.items()))
 
 
 def build_each(shell: Shell, queue: kernel.Queue, arches: tuple[str, ...] = ARCHES,

@@ -7,17 +7,20 @@ same QEMU release with qemu/patches applied.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import shutil
+import signal
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import buildcache, kernel, patchqueue, paths
 from .patchqueue import Series
-from .runners import STOCK_QEMU
+from .runners import QEMU_FIRMWARE_DIRS, STOCK_QEMU
 from .shell import LabError, Shell, StageResult, timed
 
 # Debian's qemu source package in bookworm-backports; the +ds orig tarball
@@ -39,6 +42,12 @@ CONFIGURE_FLAGS = (
 )
 
 BINARY_NAME = "qemu-system-x86_64"
+
+# The queue's qtest (libqos): QEMU's own test of the device, extended by
+# the queue; built in the build directory of the QEMU it tests
+QTEST_NAME = "virtio-balloon-test"
+# per test case: the slowest, oversize inflate, maps 1000 x 4 GiB
+QTEST_CASE_TIMEOUT_S = 120
 
 
 def cache_root() -> Path:
@@ -245,6 +254,150 @@ def _make(shell: Shell, series: Series, src: Path, out: Path, binary: Path) -> b
         raise LabError("QEMU build: warnings in files the series touches:\n  "
                        + "\n  ".join(warned[:10]))
     return True
+
+
+# --------------------------------------------------------------------------
+# qtest
+# --------------------------------------------------------------------------
+
+def qtest_binary(built: BuiltQemu, name: str = QTEST_NAME) -> Path:
+    return built.out_dir / "tests" / "qtest" / name
+
+
+def bundle_datadir(out_dir: Path) -> Path:
+    """Where the build's QEMU looks for firmware: qemu-bundle/<datadir>.
+
+    A qtest cannot pass -L, so Debian's firmware is linked there
+    (link_firmware()).
+    """
+    config = (out_dir / "config-host.h").read_text(errors="replace")
+    m = re.search(r'#define CONFIG_QEMU_DATADIR "([^"]+)"', config)
+    if not m:
+        raise LabError(f"{out_dir}/config-host.h: no CONFIG_QEMU_DATADIR")
+    return out_dir / "qemu-bundle" / m.group(1).lstrip("/")
+
+
+def link_firmware(out_dir: Path, dirs: tuple[Path, ...] = QEMU_FIRMWARE_DIRS) -> list[Path]:
+    """Symlink the files of `dirs` (Debian's firmware) into the build's
+    data directory where it has none of that name; returns the new links."""
+    dest = bundle_datadir(out_dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    made = []
+    for d in dirs:
+        if not d.is_dir():
+            continue
+        for f in sorted(d.iterdir()):
+            link = dest / f.name
+            if f.is_file() and not link.exists() and not link.is_symlink():
+                link.symlink_to(f)
+                made.append(link)
+    return made
+
+
+@dataclass(frozen=True)
+class QtestCase:
+    path: str
+    status: str  # "ok", "failed", "skipped"
+    output: str
+
+
+def tap_status(output: str, path: str) -> str:
+    """A test case's status from the TAP a glib test prints.
+
+    A case whose process died (an abort in QEMU or in the test) printed
+    no "ok" line for it: that is a failure too.
+    """
+    for line in output.splitlines():
+        m = re.match(r"^(not ok|ok)\s+\d+\s+(\S+)(.*)$", line)
+        if not m or m.group(2) != path:
+            continue
+        if m.group(1) == "not ok":
+            return "failed"
+        return "skipped" if re.search(r"#\s*SKIP", m.group(3), re.I) else "ok"
+    return "failed"
+
+
+def qtest_cases(shell: Shell, binary: Path, env: dict[str, str]) -> list[str]:
+    out = shell.run([binary, "-l"], env=env, capture=True, what=f"list {binary.name} cases")
+    return [ln.strip() for ln in out.splitlines() if ln.strip().startswith("/")]
+
+
+def run_qtest_case(argv: list[str], env: dict[str, str], path: str) -> tuple[str, str]:
+    """Run one case in a process group of its own: (status, output).
+
+    Not shell.run: a failing case is a result, not an error.  Output goes
+    to a file, not a pipe, and the group is killed afterwards: a test that
+    died leaves its QEMU behind, which would hold a pipe open.
+    """
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            returncode: int | None = proc.wait(timeout=QTEST_CASE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.seek(0)
+        output = out.read()
+    if returncode is None:
+        return "failed", output + f"\ntimed out after {QTEST_CASE_TIMEOUT_S} s"
+    return (tap_status(output, path) if returncode == 0 else "failed"), output
+
+
+def run_qtest(shell: Shell, built: BuiltQemu, name: str = QTEST_NAME) -> list[QtestCase]:
+    """Build the qtest in the build's tree and run each case in its own
+    process against the build (one case's abort does not hide the next)."""
+    env = kernel.ccache_env() or {}
+    shell.run(["nice", "-n", "5", "ninja", "-C", built.out_dir, f"tests/qtest/{name}"],
+              env=env, log=built.out_dir / f"build-{name}.log", what=f"build {name}")
+    binary = qtest_binary(built, name)
+    run_env = {"QTEST_QEMU_BINARY": str(built.binary)}
+    if shell.dry_run:
+        return []
+    # as for QEMU itself: no compiler warning in a file the series touches
+    warned = series_warnings((built.out_dir / f"build-{name}.log").read_text(errors="replace"),
+                             patched_files(load_series()))
+    if warned:
+        raise LabError(f"build {name}: warnings in files the series touches:\n  "
+                       + "\n  ".join(warned[:10]))
+    link_firmware(built.out_dir)
+    cases = []
+    for path in qtest_cases(shell, binary, run_env):
+        argv = [str(binary), "--tap", "-p", path]
+        shell.show(argv)
+        status, output = run_qtest_case(argv, {**os.environ, **run_env}, path)
+        print(f"  {status:7} {path}", flush=True)
+        cases.append(QtestCase(path, status, output))
+    log = built.out_dir / f"{name}.log"
+    log.write_text("".join(f"=== {c.path}: {c.status}\n{c.output}\n" for c in cases))
+    return cases
+
+
+def qtest_stage(shell: Shell, extra_patches: tuple[str, ...] = ()) -> StageResult:
+    """Build QEMU (cached) and its qtest, run every case: ok if none fails."""
+    finish = timed("qtest qemu")
+    try:
+        built = build(shell, extra_patches=extra_patches)
+        cases = run_qtest(shell, built)
+    except LabError as exc:
+        return finish("failed", str(exc))
+    if shell.dry_run:
+        return finish("dry-run")
+    counts = {s: [c.path for c in cases if c.status == s] for s in ("ok", "failed", "skipped")}
+    summary = (f"{QTEST_NAME}: {len(counts['ok'])} passed, {len(counts['failed'])} failed, "
+               f"{len(counts['skipped'])} skipped")
+    lines = [summary]
+    for c in cases:
+        if c.status == "skipped":
+            lines.append(f"skipped {c.path}")
+        elif c.status == "failed":
+            tail = "\n    ".join(c.output.strip().splitlines()[-8:])
+            lines.append(f"FAILED {c.path}:\n    {tail}")
+    status = "failed" if counts["failed"] or not cases else "ok"
+    return finish(status, "\n".join(lines), cases={c.path: c.status for c in cases})
 
 
 def patched_files(series: Series) -> set[str]:

@@ -33,7 +33,7 @@ class GuestConfig:
     device_init_reported: bool = False
     device_init_on_inflate: bool = False
     # vhost-user-balloon daemon's socket: UML's virtio_uml device; under QEMU
-    # vhost-user-device-pci in place of virtio-balloon, RAM in a shared memfd
+    # vhost-user-balloon-pci in place of virtio-balloon, RAM in a shared memfd
     vhost_user_balloon: Path | None = None
     qmp_socket: Path | None = None
     incoming: str | None = None
@@ -51,15 +51,16 @@ class GuestConfig:
 # one-line change here (GuestConfig field -> property)
 BALLOON_PROPERTIES = {
     "free_page_reporting": "free-page-reporting",
-    # feature bits 6 and 7 (proposed, not allocated; qemu/patches)
-    "device_init_reported": "device-init-reported",
-    "device_init_on_inflate": "device-init-on-inflate",
+    # feature bits 6 and 7 (qemu/patches): experimental (x-) while the
+    # virtio spec has not allocated the bits, whose numbers may change
+    "device_init_reported": "x-device-init-reported",
+    "device_init_on_inflate": "x-device-init-on-inflate",
 }
 HINT_PROPERTY = "free-page-hint"
 IOTHREAD_PROPERTY = "iothread"
-# vhost-user-device-pci as a balloon (user creatable with qemu/patches)
-VHOST_USER_DEVICE = ("vhost-user-device-pci,chardev={chardev},virtio-id=5,num_vqs={queues},"
-                     "vq_size=128,config_size={config}")
+# the balloon's front-end for a vhost-user backend (qemu/patches): virtio
+# id 5, its queues and config fixed by QEMU
+VHOST_USER_DEVICE = "vhost-user-balloon-pci,chardev={chardev}"
 
 
 def balloon_device(driver: str, cfg: GuestConfig) -> str:
@@ -132,11 +133,8 @@ STOCK_QEMU = Path("qemu-system-x86_64")
 # would be relocated into the build's qemu-bundle/)
 QEMU_FIRMWARE_DIRS = (Path("/usr/share/qemu"), Path("/usr/share/seabios"),
                       Path("/usr/lib/ipxe/qemu"))
-# virtio-balloon's queues the vhost-user device carries: inflate, deflate,
-# stats, reporting (no free page hint); config: num_pages, actual,
-# free_page_hint_cmd_id, poison_val
-VHOST_USER_BALLOON_QUEUES = 4
-VHOST_USER_BALLOON_CONFIG = 16
+# the properties of the proposed feature bits 6 and 7 alone
+BALLOON_INIT_PROPS = {k: v for k, v in BALLOON_PROPERTIES.items() if k != "free_page_reporting"}
 
 
 class QemuRunner(Runner):
@@ -196,12 +194,11 @@ class QemuRunner(Runner):
 
     @staticmethod
     def vhost_user_balloon_args(cfg: GuestConfig) -> list[str]:
-        """vhost-user-device-pci (user creatable with qemu/patches) as a balloon."""
+        """vhost-user-balloon-pci (qemu/patches): the balloon's front-end for a
+        vhost-user backend (virtio id 5, its queues and config fixed by QEMU)."""
         return ["-object", f"memory-backend-memfd,id=mem,size={cfg.mem_mib}M,share=on",
                 "-chardev", f"socket,id=vub,path={cfg.vhost_user_balloon}",
-                "-device", VHOST_USER_DEVICE.format(chardev="vub",
-                                                    queues=VHOST_USER_BALLOON_QUEUES,
-                                                    config=VHOST_USER_BALLOON_CONFIG)]
+                "-device", VHOST_USER_DEVICE.format(chardev="vub")]
 
     def footprint_bytes(self, guest: Guest) -> int | None:
         return rss_bytes(guest.pid)

@@ -30,12 +30,12 @@ def test_quick_dry_run_shows_both_sides(capsys, tmp_path, monkeypatch):
     qemus = [ln for ln in err.splitlines() if "-machine pc,accel=tcg" in ln]
     # stock: Debian's QEMU and the stock kernel; freepage: patched QEMU and the series
     assert any(q.startswith("$ qemu-system-x86_64 ") and "vanilla" in q for q in qemus)
-    assert any("device-init-reported=on" in q and "patched" in q for q in qemus)
+    assert any("x-device-init-reported=on" in q and "patched" in q for q in qemus)
     assert not (tmp_path / "runs").exists()
 
 
 def test_no_zeroing_bit_without_the_reporting_queue(tmp_path):
-    """QEMU refuses device-init-reported on a balloon without free page
+    """QEMU refuses x-device-init-reported on a balloon without free page
     reporting (realloc's 'backed' guests)."""
     from freepage_lab import harness
     from freepage_lab.context import RunContext
@@ -46,4 +46,4 @@ def test_no_zeroing_bit_without_the_reporting_queue(tmp_path):
     backed = harness.family("realloc")["backed"]
     cfg = harness.guest_config(ctx, backed, "backed", harness.Plan("true\n"))
     argv = " ".join(harness.runner(ctx, backed).argv(cfg))
-    assert "device-init-reported" not in argv and "device-init-on-inflate=on" in argv
+    assert "device-init-reported" not in argv and "x-device-init-on-inflate=on" in argv

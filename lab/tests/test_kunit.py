@@ -11,6 +11,7 @@ def test_recorded_console_suites_and_failures():
     assert res.suites["example_other"]["fail"] == 1
     assert res.failed == ["test_b", "example_other"]
     assert res.passed == 3 and not res.ok
+    assert res.skipped == {"test_needs_thp": "no THP on UML"}
 
 
 def test_no_suites_is_not_ok():

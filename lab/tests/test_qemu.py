@@ -80,3 +80,42 @@ def test_warnings_in_files_the_series_touches_are_found(tmp_path):
            "../hw/usb/dev-hid.c:10:1: warning: something upstream\n"
            "../hw/virtio/virtio-balloon.c:108:13: note: a note\n")
     assert qemu.series_warnings(log, files) == [log.splitlines()[0]]
+
+
+def test_tap_status_of_one_case():
+    out = ("TAP version 14\n# random seed: R02S\n1..1\n# Start of x86_64 tests\n"
+           "ok 1 /x86_64/virtio-balloon/report/in-ram\n")
+    assert qemu.tap_status(out, "/x86_64/virtio-balloon/report/in-ram") == "ok"
+    skipped = "ok 1 /x86_64/virtio-balloon/inflate/huge-page # SKIP no free 2 MiB huge page\n"
+    assert qemu.tap_status(skipped, "/x86_64/virtio-balloon/inflate/huge-page") == "skipped"
+    failed = "not ok 1 /x86_64/virtio-balloon/report/over-4g\n"
+    assert qemu.tap_status(failed, "/x86_64/virtio-balloon/report/over-4g") == "failed"
+    # QEMU (or the test) died before the case printed its line
+    died = "1..1\n# Start of x86_64 tests\n"
+    assert qemu.tap_status(died, "/x86_64/virtio-balloon/inflate/oversize") == "failed"
+    # another case's line does not count
+    assert qemu.tap_status(out, "/x86_64/virtio-balloon/report/over-4g") == "failed"
+
+
+def test_firmware_linked_into_the_bundle(tmp_path):
+    out = tmp_path / "build"
+    out.mkdir()
+    (out / "config-host.h").write_text('#define CONFIG_QEMU_DATADIR "/usr/local/share/qemu"\n')
+    fw = tmp_path / "seabios"
+    fw.mkdir()
+    (fw / "bios-256k.bin").write_bytes(b"\0")
+    bundle = out / "qemu-bundle" / "usr" / "local" / "share" / "qemu"
+    bundle.mkdir(parents=True)
+    (bundle / "keymaps").mkdir()
+    (fw / "keymaps").write_text("not linked over the build's own")
+    made = qemu.link_firmware(out, (fw, tmp_path / "absent"))
+    assert made == [bundle / "bios-256k.bin"]
+    assert (bundle / "bios-256k.bin").resolve() == fw / "bios-256k.bin"
+    assert qemu.link_firmware(out, (fw,)) == []
+
+
+def test_qtest_dry_run_builds_the_test_in_the_build_dir(capsys):
+    res = qemu.qtest_stage(Shell(dry_run=True))
+    assert res.status == "dry-run"
+    err = capsys.readouterr().err
+    assert "ninja -C" in err and f"tests/qtest/{qemu.QTEST_NAME}" in err

@@ -1,7 +1,8 @@
 """vhost-user-balloon behind QEMU: the Rust daemon serves an x86 guest.
 
-The patched QEMU runs the daemon through vhost-user-device-pci (user
-creatable with qemu/patches); guest RAM is a shared memfd the daemon maps.
+The patched QEMU runs the daemon through vhost-user-balloon-pci, the
+balloon's vhost-user front-end of qemu/patches; guest RAM is a shared memfd
+the daemon maps.
 The guest writes 256 MiB to a tmpfs file, deletes it and forces a reporting
 pass; the daemon discards what the guest reported, which the host sees as
 blocks leaving the memfd.  At least 90% of the freed 256 MiB must go.
@@ -52,7 +53,7 @@ def memfd_bytes(qemu_pid: int) -> int:
 
 def test_vhost_user_balloon_reclaims_freed_memory(lab) -> None:
     ctx = lab.context("qemu", patched=True)
-    # the daemon's defaults, on the patched QEMU (vhost-user-device-pci)
+    # the daemon's defaults, on the patched QEMU (vhost-user-balloon-pci)
     variant = harness.Variant("vhost-user", zeroing=None, vhost_user=True)
     with lab.start(ctx, "vub", guest_script(), variant, mem_mib=512, interactive=True) as run:
         g, backend = run.guest, run.backend

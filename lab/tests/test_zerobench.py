@@ -155,7 +155,7 @@ def test_qemu_dry_run_counts_instructions(capsys, tmp_path, monkeypatch):
     qemus = [ln for ln in err.splitlines() if "-icount shift=0,sleep=off" in ln]
     assert len(qemus) == 3
     # only "on" runs the patched QEMU with the balloon zeroing reported pages
-    zeroing = [q for q in qemus if "device-init-reported=on" in q]
+    zeroing = [q for q in qemus if "x-device-init-reported=on" in q]
     assert len(zeroing) == 1 and not zeroing[0].startswith("$ qemu-system-x86_64 ")
 
 

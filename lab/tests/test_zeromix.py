@@ -106,7 +106,7 @@ def test_report_of_two_variants_has_a_difference_with_interval():
 
 @pytest.mark.parametrize("platform,expect", [
     ("uml", "vhost-user-balloon"),
-    ("qemu", "device-init-reported=on"),
+    ("qemu", "x-device-init-reported=on"),
 ])
 def test_dry_run_prints_the_commands_and_runs_nothing(platform, expect, capsys, tmp_path,
                                                       monkeypatch):

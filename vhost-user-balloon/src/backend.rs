@@ -6,16 +6,16 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use log::{debug, info, warn};
+use log::{debug, info, warn, Level};
 use serde::Serialize;
 use thiserror::Error;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::Backend;
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
-use virtio_queue::{DescriptorChain, QueueOwnedT, QueueT};
+use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{
-    Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryLoadGuard,
-    GuestMemoryRegion,
+    Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend,
+    GuestMemoryLoadGuard, GuestMemoryRegion,
 };
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
@@ -23,8 +23,9 @@ use vmm_sys_util::event::{
 };
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+use crate::chain::{Chain, ChainError};
 use crate::discard::{self, treat_range, Discarder, GuestMem, LogBitmap, Treatment};
-use crate::metrics::{add, Metrics};
+use crate::metrics::{add, bump, log_sparse, Metrics};
 use crate::pool::{self, DiscardPool, InFlight, PoolError};
 use crate::ranges::{self, BalloonConfig, GuestRange, Plan, RegionInfo, RejectReason, Stat};
 use crate::shim::BackendChannel;
@@ -39,8 +40,9 @@ pub const STATS_REQUEST_EVENT: u16 = MAX_QUEUES as u16 + 1;
 pub const MAX_PFN_BYTES: usize = 256 * 1024;
 /// Upper bound of a stats buffer.
 pub const MAX_STATS_BYTES: usize = 64 * 1024;
-/// Upper bound of descriptors in one report.
-pub const MAX_REPORT_DESCS: usize = 1024;
+/// Upper bound of descriptors in one report (a chain cannot be longer than
+/// its ring: indirect descriptors are refused).
+pub const MAX_REPORT_DESCS: usize = MAX_QUEUE_SIZE;
 
 type GM = GuestMemoryAtomic<GuestMem>;
 type Mem = GuestMemoryLoadGuard<GuestMem>;
@@ -299,11 +301,28 @@ impl DeviceState {
         self.target.store(pages, Ordering::Relaxed);
         let req = self.lock().backend_req.clone();
         let notified = match req {
-            Some(b) => {
-                b.send_config_change().map_err(BackendError::Notify)?;
-                add(&self.metrics.config_notifications, 1);
-                true
-            }
+            Some(b) => match b.send_config_change() {
+                Ok(()) => {
+                    add(&self.metrics.config_notifications, 1);
+                    true
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // The channel is full of config changes the frontend
+                    // has not read: when it reads them it reads the config,
+                    // and with it this target.
+                    let n = bump(&self.metrics.config_notifications_dropped);
+                    log_sparse(
+                        Level::Warn,
+                        n,
+                        format_args!(
+                            "frontend does not read its backend request channel: \
+                             config change for target {pages} not sent"
+                        ),
+                    );
+                    false
+                }
+                Err(e) => return Err(BackendError::Notify(e)),
+            },
             None => false,
         };
         info!("balloon target set to {pages} pages (frontend notified: {notified})");
@@ -376,13 +395,15 @@ impl DeviceState {
     /// it probes (before or after this message, depending on the frontend:
     /// QEMU forwards the config write before it starts the backend), so it is
     /// cleared only when the new features lack PAGE_POISON.
-    pub fn features_negotiated(&self, features: u64) {
+    /// Returns whether `poison_val` was cleared.
+    pub fn features_negotiated(&self, features: u64) -> bool {
         let mut g = self.lock();
         g.acked_features = features;
-        if !has(features, spec::F_PAGE_POISON) && g.config.poison_val != 0 {
-            info!("PAGE_POISON not negotiated: poison_val cleared");
+        let clear = !has(features, spec::F_PAGE_POISON) && g.config.poison_val != 0;
+        if clear {
             g.config.poison_val = 0;
         }
+        clear
     }
 
     /// A device reset (VHOST_USER_RESET_DEVICE): the driver-written config
@@ -393,7 +414,6 @@ impl DeviceState {
         g.acked_features = 0;
         g.config.actual = 0;
         g.config.poison_val = 0;
-        info!("device reset: actual and poison_val cleared");
     }
 
     /// Records the frontend's backend request channel (from the shim).
@@ -417,6 +437,13 @@ struct Inner {
     mem: Mutex<Option<GM>>,
     acked: AtomicU64,
     stats_head: Mutex<Option<u16>>,
+    /// Messages of this connection that are logged at `info` sparsely (a
+    /// frontend can repeat them at will): SET_FEATURES, SET_MEM_TABLE,
+    /// RESET_DEVICE, guest writes of `poison_val`.
+    negotiations: AtomicU64,
+    mem_tables: AtomicU64,
+    resets: AtomicU64,
+    poison_writes: AtomicU64,
     /// Treats reported ranges off the vring thread (see `pool.rs` for what
     /// happens to in-flight reports on reset, stop and memory changes).
     pool: DiscardPool,
@@ -432,13 +459,66 @@ struct TreatCtx {
     migrating: bool,
 }
 
+/// What went wrong while the ranges of one chain were treated: counted in
+/// the metrics range by range, logged once for the chain.
+#[derive(Debug, Default)]
+struct TreatIssues {
+    /// Ranges with a failed discard or fill.
+    errors: u64,
+    /// Ranges changed while LOG_ALL was negotiated and no log recorded.
+    dirty_log_misses: u64,
+    /// The first problem, for the log line.
+    first: Option<String>,
+}
+
+impl TreatIssues {
+    fn note(&mut self, what: std::fmt::Arguments<'_>) {
+        if self.first.is_none() {
+            self.first = Some(what.to_string());
+        }
+    }
+
+    fn merge(&mut self, o: TreatIssues) {
+        self.errors += o.errors;
+        self.dirty_log_misses += o.dirty_log_misses;
+        if self.first.is_none() {
+            self.first = o.first;
+        }
+    }
+
+    /// One line for the chain `what`, sparse over such chains: a guest can
+    /// send 65,536 PFNs per inflate chain that all fail the same way.
+    fn log(&self, m: &Metrics, what: std::fmt::Arguments<'_>) {
+        let Some(first) = &self.first else {
+            return;
+        };
+        let n = bump(&m.chains_with_errors);
+        log_sparse(
+            Level::Warn,
+            n,
+            format_args!(
+                "{what}: {} range(s) with a failed discard or fill, {} changed without a \
+                 dirty log while LOG_ALL is negotiated; first: {first}",
+                self.errors, self.dirty_log_misses
+            ),
+        );
+    }
+}
+
 impl TreatCtx {
     /// Applies `t` to the valid range `r`; returns the parts that `t`
     /// promised to initialize and that could not be. A range the device
     /// changed is marked in the frontend's dirty log; while the frontend
     /// migrates (LOG_ALL) a range the log did not record counts as not
-    /// initialized, since the destination would not get it.
-    fn treat(&self, mem: &GuestMem, r: GuestRange, t: Treatment) -> Vec<GuestRange> {
+    /// initialized, since the destination would not get it. Problems are
+    /// counted and noted in `issues` (the caller logs them per chain).
+    fn treat(
+        &self,
+        mem: &GuestMem,
+        r: GuestRange,
+        t: Treatment,
+        issues: &mut TreatIssues,
+    ) -> Vec<GuestRange> {
         let m = &self.state.metrics;
         let t0 = Instant::now();
         let (mut o, err) = treat_range(self.discarder.as_ref(), mem, r, t);
@@ -446,25 +526,26 @@ impl TreatCtx {
             let logged = discard::mark_dirty(mem, r);
             if self.migrating && !logged && t != Treatment::Release {
                 add(&m.dirty_log_misses, 1);
-                warn!(
-                    "LOG_ALL negotiated but no dirty log for {:#x}+{:#x}: \
-                     not acknowledged as initialized",
+                issues.dirty_log_misses += 1;
+                issues.note(format_args!(
+                    "no dirty log for {:#x}+{:#x}: not acknowledged as initialized",
                     r.gpa, r.len
-                );
+                ));
                 o.uninitialized = vec![r];
             }
         }
         m.record_discard_latency(t0.elapsed());
-        if let Some(e) = err {
-            warn!("range {:#x}+{:#x}: {e}", r.gpa, r.len);
-        }
         add(&m.discarded_bytes, o.discarded);
         add(&m.zero_filled_bytes, o.zero_filled);
         add(&m.poison_filled_bytes, o.pattern_filled);
         add(&m.partial_page_skipped_bytes, o.skipped);
+        add(&m.uninitialized_bytes, o.uninitialized_bytes());
         add(&m.discard_errors, o.discard_errors);
         add(&m.fill_errors, o.fill_errors);
-        add(&m.uninitialized_bytes, o.uninitialized_bytes());
+        if let Some(e) = err {
+            issues.errors += 1;
+            issues.note(format_args!("range {:#x}+{:#x}: {e}", r.gpa, r.len));
+        }
         o.uninitialized
     }
 }
@@ -489,19 +570,20 @@ struct ReportJob {
     complete_plan: bool,
     popped: Instant,
     remaining: AtomicUsize,
-    uninitialized: Mutex<Vec<GuestRange>>,
+    /// What the finished ranges could not initialize, and their problems.
+    outcome: Mutex<(Vec<GuestRange>, TreatIssues)>,
     _in_flight: InFlight,
 }
 
 impl ReportJob {
     /// Treats one range; the last one completes the report.
     fn run(&self, r: GuestRange, t: Treatment) {
-        let u = self.ctx.treat(&self.mem, r, t);
-        if !u.is_empty() {
-            self.uninitialized
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .extend(u);
+        let mut issues = TreatIssues::default();
+        let u = self.ctx.treat(&self.mem, r, t, &mut issues);
+        if !u.is_empty() || issues.first.is_some() {
+            let mut o = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
+            o.0.extend(u);
+            o.1.merge(issues);
         }
         if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.complete();
@@ -511,12 +593,12 @@ impl ReportJob {
     /// Adds the used element (if the vring is still enabled) and signals.
     fn complete(&self) {
         let m = &self.ctx.state.metrics;
+        let clean = {
+            let o = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
+            o.1.log(m, format_args!("report {}", self.head));
+            o.0.is_empty()
+        };
         let used = if self.init {
-            let clean = self
-                .uninitialized
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .is_empty();
             let used = ranges::report_used_len(&self.lens, self.complete_plan && clean);
             if used == 0 {
                 add(&m.reports_not_initialized, 1);
@@ -528,10 +610,14 @@ impl ReportJob {
         };
         m.reports_in_flight.fetch_sub(1, Ordering::Relaxed);
         if !self.vring.get_ref().is_enabled() {
-            add(&m.report_acks_dropped, 1);
-            warn!(
-                "report {} treated after its vring was disabled: not acknowledged",
-                self.head
+            let n = bump(&m.report_acks_dropped);
+            log_sparse(
+                Level::Warn,
+                n,
+                format_args!(
+                    "report {} treated after its vring was disabled: not acknowledged",
+                    self.head
+                ),
             );
             return;
         }
@@ -544,8 +630,8 @@ impl ReportJob {
             .map_err(BackendError::from)
             .and_then(|()| self.vring.signal_used_queue().map_err(BackendError::Signal));
         if let Err(e) = res {
-            warn!("report {}: {e}", self.head);
-            m.reject(RejectReason::Malformed);
+            let n = m.reject(RejectReason::Malformed);
+            log_sparse(Level::Warn, n, format_args!("report {}: {e}", self.head));
         }
     }
 }
@@ -557,17 +643,10 @@ pub struct BalloonBackend {
 }
 
 /// Reads the device-readable part of a chain, at most `max` bytes.
-fn read_chain(
-    chain: &DescriptorChain<Mem>,
-    mem: &GuestMem,
-    max: usize,
-) -> Result<Vec<u8>, BackendError> {
+fn read_chain(chain: &Chain, mem: &GuestMem, max: usize) -> Result<Vec<u8>, BackendError> {
     let mut out = Vec::new();
-    for desc in chain.clone() {
-        if desc.is_write_only() {
-            continue;
-        }
-        let len = usize::try_from(desc.len()).unwrap_or(usize::MAX);
+    for desc in chain.readable() {
+        let len = usize::try_from(desc.len).unwrap_or(usize::MAX);
         if out.len().saturating_add(len) > max {
             return Err(BackendError::BadChain(format!(
                 "buffer longer than {max} bytes"
@@ -575,52 +654,27 @@ fn read_chain(
         }
         let start = out.len();
         out.resize(start + len, 0);
-        mem.read_slice(&mut out[start..], desc.addr())
+        mem.read_slice(&mut out[start..], GuestAddress(desc.addr))
             .map_err(|e| {
-                BackendError::BadChain(format!("descriptor {:#x}+{len}: {e}", desc.addr().0))
+                BackendError::BadChain(format!("descriptor {:#x}+{len}: {e}", desc.addr))
             })?;
     }
     Ok(out)
 }
 
-/// Logs the `n`-th occurrence of a guest-caused problem at `warn` when `n`
-/// is a power of two (1, 2, 4, ...) and at `debug` otherwise, so that a guest
-/// cannot flood the log.
-fn log_sparse(n: u64, msg: &str) {
-    if n.is_power_of_two() {
-        warn!("{msg} ({n} so far)");
-    } else {
-        debug!("{msg} ({n} so far)");
-    }
-}
-
-/// Total length of the device-writable descriptors of a chain.
-fn writable_len(chain: &DescriptorChain<Mem>) -> u64 {
-    chain
-        .clone()
-        .filter(|d| d.is_write_only())
-        .map(|d| u64::from(d.len()))
-        .sum()
-}
-
 /// Writes `data` into the device-writable descriptors of a chain, in order.
 /// The caller checked that they are long enough.
-fn write_chain(
-    chain: &DescriptorChain<Mem>,
-    mem: &GuestMem,
-    data: &[u8],
-) -> Result<(), BackendError> {
+fn write_chain(chain: &Chain, mem: &GuestMem, data: &[u8]) -> Result<(), BackendError> {
     let mut rest = data;
-    for desc in chain.clone().filter(|d| d.is_write_only()) {
+    for desc in chain.writable() {
         if rest.is_empty() {
             break;
         }
-        let n = usize::try_from(desc.len())
+        let n = usize::try_from(desc.len)
             .unwrap_or(usize::MAX)
             .min(rest.len());
-        mem.write_slice(&rest[..n], desc.addr()).map_err(|e| {
-            BackendError::BadChain(format!("descriptor {:#x}+{n}: {e}", desc.addr().0))
-        })?;
+        mem.write_slice(&rest[..n], GuestAddress(desc.addr))
+            .map_err(|e| BackendError::BadChain(format!("descriptor {:#x}+{n}: {e}", desc.addr)))?;
         rest = &rest[n..];
     }
     if rest.is_empty() {
@@ -688,6 +742,10 @@ impl BalloonBackend {
                 mem: Mutex::new(None),
                 acked: AtomicU64::new(0),
                 stats_head: Mutex::new(None),
+                negotiations: AtomicU64::new(0),
+                mem_tables: AtomicU64::new(0),
+                resets: AtomicU64::new(0),
+                poison_writes: AtomicU64::new(0),
                 pool,
             }),
         }
@@ -732,45 +790,104 @@ impl BalloonBackend {
     /// Counts an ignored kick; logs the first one and then every time the
     /// count reaches a power of two (a guest must not flood the log).
     fn bad_kick(&self, e: &BackendError) {
-        let n = self
-            .metrics()
-            .bad_queue_kicks
-            .fetch_add(1, Ordering::Relaxed)
-            + 1;
-        log_sparse(n, &format!("kick ignored: {e}"));
+        let n = bump(&self.metrics().bad_queue_kicks);
+        log_sparse(Level::Warn, n, format_args!("kick ignored: {e}"));
     }
 
-    fn count_rejects(&self, plan: &Plan, what: &str) {
-        for (r, why) in &plan.rejects {
-            self.metrics().reject(*why);
-            warn!("{what}: rejected range {:#x}+{:#x}: {why:?}", r.gpa, r.len);
+    /// Counts a malformed chain or payload and logs it sparsely.
+    fn malformed(&self, msg: std::fmt::Arguments<'_>) {
+        let n = self.metrics().reject(RejectReason::Malformed);
+        log_sparse(Level::Warn, n, msg);
+    }
+
+    /// Counts the rejected ranges of one chain (of `total` ranges) by
+    /// reason and logs one summary line for the chain, sparsely: a guest
+    /// can send 65,536 bad PFNs per inflate chain, chain after chain.
+    fn count_rejects(&self, rejects: &[(GuestRange, RejectReason)], total: usize, what: &str) {
+        let Some(&(first, first_why)) = rejects.first() else {
+            return;
+        };
+        let m = self.metrics();
+        let mut by_reason = [0usize; RejectReason::ALL.len()];
+        for (_, why) in rejects {
+            m.reject(*why);
+            if let Some(i) = RejectReason::ALL.iter().position(|r| r == why) {
+                by_reason[i] += 1;
+            }
         }
+        let reasons: Vec<String> = RejectReason::ALL
+            .iter()
+            .zip(by_reason)
+            .filter(|(_, k)| *k > 0)
+            .map(|(r, k)| format!("{r:?} {k}"))
+            .collect();
+        let n = bump(&m.chains_with_rejects);
+        log_sparse(
+            Level::Warn,
+            n,
+            format_args!(
+                "{what}: {} of {total} range(s) rejected ({}; first {:#x}+{:#x}: {first_why:?})",
+                rejects.len(),
+                reasons.join(", "),
+                first.gpa,
+                first.len
+            ),
+        );
     }
 
     /// Applies `t` to every valid range of `plan` on this thread; returns
     /// the parts that `t` promised to initialize and that could not be.
     fn treat_ranges(&self, mem: &GuestMem, plan: &Plan, t: Treatment) -> Vec<GuestRange> {
         let ctx = self.treat_ctx();
-        plan.ranges
+        let mut issues = TreatIssues::default();
+        let u = plan
+            .ranges
             .iter()
-            .flat_map(|(_, r)| ctx.treat(mem, *r, t))
-            .collect()
+            .flat_map(|(_, r)| ctx.treat(mem, *r, t, &mut issues))
+            .collect();
+        issues.log(self.metrics(), format_args!("inflate"));
+        u
     }
 
-    /// Pops every available chain, lets `f` handle it, returns the ones `f`
-    /// completes (`Some(used_len)`), and signals the guest once.
+    /// Pops every available chain, reads it ([`Chain::read`]), lets `f`
+    /// handle it, returns the ones `f` completes (`Some(used_len)`), and
+    /// signals the guest once. A malformed chain is counted and returned
+    /// with used length 0 (a head past the end of the ring cannot be
+    /// returned at all); either way the rest of the batch is served.
     fn drain_queue<F>(&self, vring: &VringRwLock<GM>, mut f: F) -> Result<(), BackendError>
     where
-        F: FnMut(&Mem, DescriptorChain<Mem>) -> Option<u32>,
+        F: FnMut(&Mem, &Chain) -> Option<u32>,
     {
         let mem = self.memory()?;
-        let chains: Vec<_> = vring.get_mut().get_queue_mut().iter(mem.clone())?.collect();
+        let (table, size) = {
+            let st = vring.get_ref();
+            let q = st.get_queue();
+            (q.desc_table(), q.size())
+        };
+        let heads: Vec<u16> = vring
+            .get_mut()
+            .get_queue_mut()
+            .iter(mem.clone())?
+            .map(|c| c.head_index())
+            .collect();
         let mut used = false;
-        for chain in chains {
-            let head = chain.head_index();
-            if let Some(len) = f(&mem, chain) {
-                vring.add_used(head, len)?;
-                used = true;
+        for head in heads {
+            let len = match Chain::read(&mem, table, size, head) {
+                Ok(chain) => f(&mem, &chain),
+                Err(e @ ChainError::HeadOutOfRange { .. }) => {
+                    self.malformed(format_args!("chain not returned: {e}"));
+                    None
+                }
+                Err(e) => {
+                    self.malformed(format_args!("chain returned unused: {e}"));
+                    Some(0)
+                }
+            };
+            if let Some(len) = len {
+                match vring.add_used(head, len) {
+                    Ok(()) => used = true,
+                    Err(e) => self.malformed(format_args!("chain {head}: {e}")),
+                }
             }
         }
         if used {
@@ -794,11 +911,11 @@ impl BalloonBackend {
             Treatment::Release
         };
         self.drain_queue(vring, |mem, chain| {
-            let done = self.handle_pfn_chain(mem, &chain, true, t);
+            let done = self.handle_pfn_chain(mem, chain, true, t);
             if !bitmap {
                 return Some(0);
             }
-            Some(self.write_inflate_bitmap(mem, &chain, done, zeroed))
+            Some(self.write_inflate_bitmap(mem, chain, done, zeroed))
         })
     }
 
@@ -806,7 +923,7 @@ impl BalloonBackend {
     fn write_inflate_bitmap(
         &self,
         mem: &GuestMem,
-        chain: &DescriptorChain<Mem>,
+        chain: &Chain,
         done: Option<PfnChain>,
         zeroed: bool,
     ) -> u32 {
@@ -823,7 +940,7 @@ impl BalloonBackend {
         };
         let set: u32 = map.iter().map(|b| b.count_ones()).sum();
         let len = u32::try_from(map.len()).unwrap_or(u32::MAX);
-        let res = if writable_len(chain) < u64::from(len) {
+        let res = if chain.writable_len() < u64::from(len) {
             Err(BackendError::BadChain(format!(
                 "no room for the {len}-byte bitmap of {} PFNs",
                 done.pfns.len()
@@ -834,9 +951,9 @@ impl BalloonBackend {
         if let Err(e) = res {
             // e.g. a driver that negotiated bit 7 under its older reading
             // and sends no bitmap: one line per chain would flood the log
-            let n = m.inflate_bitmap_errors.fetch_add(1, Ordering::Relaxed) + 1;
+            let n = bump(&m.inflate_bitmap_errors);
             add(&m.pfns_not_initialized, done.pfns.len() as u64);
-            log_sparse(n, &format!("inflate: {e}"));
+            log_sparse(Level::Warn, n, format_args!("inflate: {e}"));
             return 0;
         }
         add(
@@ -850,7 +967,7 @@ impl BalloonBackend {
     /// pages were discarded on inflate and fault back in on first touch.
     pub fn process_deflate(&self, vring: &VringRwLock<GM>) -> Result<(), BackendError> {
         self.drain_queue(vring, |mem, chain| {
-            self.handle_pfn_chain(mem, &chain, false, Treatment::Release);
+            self.handle_pfn_chain(mem, chain, false, Treatment::Release);
             Some(0)
         })
     }
@@ -858,7 +975,7 @@ impl BalloonBackend {
     fn handle_pfn_chain(
         &self,
         mem: &GuestMem,
-        chain: &DescriptorChain<Mem>,
+        chain: &Chain,
         inflate: bool,
         t: Treatment,
     ) -> Option<PfnChain> {
@@ -868,8 +985,7 @@ impl BalloonBackend {
             match read_chain(chain, mem, MAX_PFN_BYTES).and_then(|b| Ok(ranges::parse_pfns(&b)?)) {
                 Ok(p) => p,
                 Err(e) => {
-                    m.reject(RejectReason::Malformed);
-                    warn!("{what}: {e}");
+                    self.malformed(format_args!("{what}: {e}"));
                     return None;
                 }
             };
@@ -884,7 +1000,7 @@ impl BalloonBackend {
             add(&m.deflated_pages, n);
         }
         debug!("{what}: {n} pages in {} ranges", plan.ranges.len());
-        self.count_rejects(&plan, what);
+        self.count_rejects(&plan.rejects, pfns.len(), what);
         let uninitialized = if inflate {
             self.treat_ranges(mem, &plan, t)
         } else {
@@ -901,19 +1017,15 @@ impl BalloonBackend {
     pub fn process_stats(&self, vring: &VringRwLock<GM>) -> Result<(), BackendError> {
         let mut stale = Vec::new();
         self.drain_queue(vring, |mem, chain| {
-            let head = chain.head_index();
-            match read_chain(&chain, mem, MAX_STATS_BYTES)
-                .and_then(|b| Ok(ranges::parse_stats(&b)?))
+            let head = chain.head;
+            match read_chain(chain, mem, MAX_STATS_BYTES).and_then(|b| Ok(ranges::parse_stats(&b)?))
             {
                 Ok(stats) => {
                     add(&self.metrics().stats_updates, 1);
                     debug!("stats: {} entries", stats.len());
                     self.inner.state.store_stats(stats);
                 }
-                Err(e) => {
-                    self.metrics().reject(RejectReason::Malformed);
-                    warn!("stats: {e}");
-                }
+                Err(e) => self.malformed(format_args!("stats: {e}")),
             }
             let mut held = self
                 .inner
@@ -927,8 +1039,10 @@ impl BalloonBackend {
             None
         })?;
         for old in stale {
-            vring.add_used(old, 0)?;
-            vring.signal_used_queue().map_err(BackendError::Signal)?;
+            match vring.add_used(old, 0) {
+                Ok(()) => vring.signal_used_queue().map_err(BackendError::Signal)?,
+                Err(e) => self.malformed(format_args!("stats buffer {old}: {e}")),
+            }
         }
         Ok(())
     }
@@ -998,16 +1112,26 @@ impl BalloonBackend {
         self.drain_queue(vring, |mem, chain| {
             let popped = Instant::now();
             let m = self.metrics();
-            let lens: Vec<u32> = chain.clone().map(|d| d.len()).collect();
-            let descs: Vec<GuestRange> = chain
-                .clone()
+            let lens: Vec<u32> = chain.descs.iter().map(|d| d.len).collect();
+            // Ranges come from the device-writable descriptors only (as
+            // QEMU takes them from in_sg); a read-only one is malformed.
+            let (writable, read_only): (Vec<_>, Vec<_>) = chain
+                .descs
+                .iter()
                 .take(MAX_REPORT_DESCS)
-                .map(|d| GuestRange::new(d.addr().0, u64::from(d.len())))
-                .collect();
+                .map(|d| (GuestRange::new(d.addr, u64::from(d.len)), d.writable))
+                .partition(|(_, w)| *w);
+            let descs: Vec<GuestRange> = writable.into_iter().map(|(r, _)| r).collect();
             add(&m.reports, 1);
-            add(&m.reported_ranges, descs.len() as u64);
+            add(&m.reported_ranges, lens.len() as u64);
             let plan = ranges::plan(&descs, &region_infos(mem), PAGE_SIZE);
-            self.count_rejects(&plan, "report");
+            let mut rejects = plan.rejects.clone();
+            rejects.extend(
+                read_only
+                    .into_iter()
+                    .map(|(r, _)| (r, RejectReason::Malformed)),
+            );
+            self.count_rejects(&rejects, lens.len(), "report");
             add(&m.reported_bytes, plan.valid_bytes());
             let todo: Vec<GuestRange> = match t {
                 Some(_) => plan.ranges.iter().map(|(_, r)| *r).collect(),
@@ -1021,16 +1145,16 @@ impl BalloonBackend {
             };
             add(&m.reports_in_flight, 1);
             let job = Arc::new(ReportJob {
-                head: chain.head_index(),
+                head: chain.head,
                 vring: vring.clone(),
                 mem: mem.clone().into_inner(),
                 ctx: self.treat_ctx(),
                 init,
-                complete_plan: plan.rejects.is_empty() && descs.len() == lens.len(),
+                complete_plan: rejects.is_empty() && descs.len() == lens.len(),
                 lens,
                 popped,
                 remaining: AtomicUsize::new(todo.len()),
-                uninitialized: Mutex::new(Vec::new()),
+                outcome: Mutex::new((Vec::new(), TreatIssues::default())),
                 _in_flight: self.inner.pool.begin(),
             });
             match t {
@@ -1072,7 +1196,6 @@ impl VhostUserBackend for BalloonBackend {
     }
 
     fn acked_features(&self, features: u64) {
-        info!("negotiated virtio features {features:#x}");
         // (Re)negotiation starts a new driver instance: whatever buffer we
         // held belongs to the old rings. A frontend that only turns dirty
         // logging on or off (migration) keeps the driver and its rings.
@@ -1083,7 +1206,20 @@ impl VhostUserBackend for BalloonBackend {
         // reports popped under the old features complete under them
         self.quiesce();
         self.inner.acked.store(features, Ordering::Relaxed);
-        self.inner.state.features_negotiated(features);
+        let cleared = self.inner.state.features_negotiated(features);
+        let n = bump(&self.inner.negotiations);
+        log_sparse(
+            Level::Info,
+            n,
+            format_args!(
+                "negotiated virtio features {features:#x}{}",
+                if cleared {
+                    " (PAGE_POISON not negotiated: poison_val cleared)"
+                } else {
+                    ""
+                }
+            ),
+        );
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
@@ -1101,6 +1237,12 @@ impl VhostUserBackend for BalloonBackend {
             .unwrap_or_else(|p| p.into_inner()) = None;
         self.inner.acked.store(0, Ordering::Relaxed);
         self.inner.state.device_reset();
+        let n = bump(&self.inner.resets);
+        log_sparse(
+            Level::Info,
+            n,
+            format_args!("device reset: actual and poison_val cleared"),
+        );
     }
 
     fn set_event_idx(&self, _enabled: bool) {}
@@ -1135,20 +1277,22 @@ impl VhostUserBackend for BalloonBackend {
                     );
                 }
                 if c.poison_val != g.config.poison_val {
-                    info!("guest set poison_val {:#x}", c.poison_val);
                     let f = g.acked_features;
-                    if c.poison_val != 0 && has(f, spec::F_PAGE_POISON) {
-                        info!(
-                            "PAGE_POISON with poison_val {:#x}: reported pages are {}, \
-                             inflated pages are released but not reported initialized",
-                            c.poison_val,
-                            if has(f, spec::F_DEVICE_INIT_REPORTED) {
-                                "filled with it"
-                            } else {
-                                "kept"
-                            }
-                        );
-                    }
+                    let effect = if c.poison_val == 0 || !has(f, spec::F_PAGE_POISON) {
+                        ""
+                    } else if has(f, spec::F_DEVICE_INIT_REPORTED) {
+                        " (PAGE_POISON: reported pages are filled with it, inflated pages \
+                         are released but not reported initialized)"
+                    } else {
+                        " (PAGE_POISON: reported pages are kept, inflated pages are \
+                         released but not reported initialized)"
+                    };
+                    let n = bump(&self.inner.poison_writes);
+                    log_sparse(
+                        Level::Info,
+                        n,
+                        format_args!("guest set poison_val {:#x}{effect}", c.poison_val),
+                    );
                 }
                 if c.actual != g.config.actual {
                     debug!("guest reports {} pages in balloon", c.actual);
@@ -1160,8 +1304,12 @@ impl VhostUserBackend for BalloonBackend {
                 // Ignore the write (as a device ignores writes to read-only
                 // config fields). Returning an error here would make the
                 // library drop the whole connection.
-                add(&state.metrics.config_write_rejects, 1);
-                warn!("ignored: {}", BackendError::Config(e));
+                let n = bump(&state.metrics.config_write_rejects);
+                log_sparse(
+                    Level::Warn,
+                    n,
+                    format_args!("ignored: {}", BackendError::Config(e)),
+                );
                 Ok(())
             }
         }
@@ -1170,10 +1318,16 @@ impl VhostUserBackend for BalloonBackend {
     fn update_memory(&self, mem: GM) -> io::Result<()> {
         // In-flight tasks hold the old map; answer only when they are done.
         self.quiesce();
-        let regions = region_infos(&mem.memory());
-        for r in &regions {
-            info!("guest memory region {:#x}+{:#x}", r.gpa, r.len);
-        }
+        let regions: Vec<String> = region_infos(&mem.memory())
+            .iter()
+            .map(|r| format!("{:#x}+{:#x}", r.gpa, r.len))
+            .collect();
+        let n = bump(&self.inner.mem_tables);
+        log_sparse(
+            Level::Info,
+            n,
+            format_args!("guest memory: {}", regions.join(", ")),
+        );
         *self.inner.mem.lock().unwrap_or_else(|p| p.into_inner()) = Some(mem);
         Ok(())
     }
@@ -1237,10 +1391,9 @@ impl VhostUserBackend for BalloonBackend {
             QueueRole::Stats => self.process_stats(vring),
             QueueRole::Reporting => self.process_reporting(vring),
         };
-        // A broken chain from the guest must not kill the device: log it.
+        // A broken queue must not kill the device: count and log it.
         if let Err(e) = res {
-            warn!("queue {idx}: {e}");
-            self.metrics().reject(RejectReason::Malformed);
+            self.malformed(format_args!("queue {idx}: {e}"));
         }
         Ok(())
     }

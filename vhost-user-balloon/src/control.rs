@@ -156,12 +156,10 @@ fn serve_client(state: &DeviceState, stream: UnixStream) -> io::Result<()> {
 
 use std::io::Read as _;
 
-/// Binds the control socket (replacing a stale one) and serves it from a
-/// background thread, one thread per client.
+/// Binds the control socket and serves it from a background thread, one
+/// thread per client. The caller removed a stale socket at `path` (and
+/// nothing else: see `server::run`).
 pub fn spawn(path: &Path, state: Arc<DeviceState>) -> Result<(), ControlError> {
-    if path.exists() {
-        let _ = std::fs::remove_file(path);
-    }
     let listener = UnixListener::bind(path).map_err(|source| ControlError::Bind {
         path: path.to_path_buf(),
         source,

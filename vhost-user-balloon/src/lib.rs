@@ -2,9 +2,11 @@
 #![deny(missing_docs)]
 
 pub mod backend;
+pub mod chain;
 pub mod cli;
 pub mod control;
 pub mod discard;
+pub mod memfile;
 pub mod metrics;
 pub mod pool;
 pub mod ranges;

@@ -1,8 +1,13 @@
-//! Counters exported on the control socket (`get_counters`).
+//! Counters exported on the control socket (`get_counters`), and the rule
+//! for logging what the guest or the frontend can repeat at will: the
+//! counters keep the detail, the log gets a line when a count reaches a
+//! power of two ([`log_sparse`]).
 
+use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use log::Level;
 use serde::Serialize;
 
 use crate::ranges::RejectReason;
@@ -85,6 +90,15 @@ pub struct Metrics {
     pub bad_queue_kicks: AtomicU64,
     /// Config change notifications sent to the frontend.
     pub config_notifications: AtomicU64,
+    /// Config change notifications not sent because the frontend does not
+    /// read its backend request channel (it is full).
+    pub config_notifications_dropped: AtomicU64,
+    /// Descriptor chains (inflate, deflate, report) with at least one
+    /// rejected range.
+    pub chains_with_rejects: AtomicU64,
+    /// Chains (inflate, report) with at least one range whose discard or
+    /// fill failed, or that the dirty log missed.
+    pub chains_with_errors: AtomicU64,
     /// Frontend connections accepted.
     pub connections: AtomicU64,
     /// Rejected ranges, indexed like `RejectReason::ALL`.
@@ -96,16 +110,35 @@ pub fn add(c: &AtomicU64, n: u64) {
     c.fetch_add(n, Ordering::Relaxed);
 }
 
+/// Adds one and returns the new count (for [`log_sparse`]).
+pub fn bump(c: &AtomicU64) -> u64 {
+    c.fetch_add(1, Ordering::Relaxed).wrapping_add(1)
+}
+
+/// Logs the `n`-th occurrence of an event that a guest or a frontend can
+/// repeat at will: at `level` when `n` is a power of two (1, 2, 4, ...),
+/// at `debug` otherwise. A flood of `n` events costs about log2(n) lines at
+/// the default log level; the counter that gave `n` keeps the exact number.
+pub fn log_sparse(level: Level, n: u64, msg: fmt::Arguments<'_>) {
+    let level = if n.is_power_of_two() {
+        level
+    } else {
+        Level::Debug
+    };
+    log::log!(level, "{msg} ({n} so far)");
+}
+
 fn get(c: &AtomicU64) -> u64 {
     c.load(Ordering::Relaxed)
 }
 
 impl Metrics {
-    /// Counts one rejected range.
-    pub fn reject(&self, reason: RejectReason) {
-        if let Some(i) = RejectReason::ALL.iter().position(|r| *r == reason) {
-            add(&self.rejects[i], 1);
-        }
+    /// Counts one rejected range; returns the count for that reason.
+    pub fn reject(&self, reason: RejectReason) -> u64 {
+        RejectReason::ALL
+            .iter()
+            .position(|r| *r == reason)
+            .map_or(0, |i| bump(&self.rejects[i]))
     }
 
     /// Records the latency of one discard operation.
@@ -159,6 +192,9 @@ impl Metrics {
             bad_queue_kicks: get(&self.bad_queue_kicks),
             dirty_log_misses: get(&self.dirty_log_misses),
             config_notifications: get(&self.config_notifications),
+            config_notifications_dropped: get(&self.config_notifications_dropped),
+            chains_with_rejects: get(&self.chains_with_rejects),
+            chains_with_errors: get(&self.chains_with_errors),
             connections: get(&self.connections),
             rejects: Rejects {
                 empty: get(&self.rejects[0]),
@@ -225,6 +261,9 @@ pub struct MetricsSnapshot {
     pub bad_queue_kicks: u64,
     pub dirty_log_misses: u64,
     pub config_notifications: u64,
+    pub config_notifications_dropped: u64,
+    pub chains_with_rejects: u64,
+    pub chains_with_errors: u64,
     pub connections: u64,
     pub rejects: Rejects,
 }
@@ -237,12 +276,13 @@ mod tests {
     fn counters() {
         let m = Metrics::default();
         m.reject(RejectReason::Unaligned);
-        m.reject(RejectReason::Malformed);
+        assert_eq!(m.reject(RejectReason::Malformed), 1);
+        assert_eq!(m.reject(RejectReason::Malformed), 2);
         m.record_discard_latency(Duration::from_nanos(5));
         m.record_discard_latency(Duration::from_nanos(3));
         let s = m.snapshot();
         assert_eq!(s.rejects.unaligned, 1);
-        assert_eq!(s.rejects.malformed, 1);
+        assert_eq!(s.rejects.malformed, 2);
         assert_eq!(s.discard_ops, 2);
         assert_eq!(s.discard_ns_sum, 8);
         assert_eq!(s.discard_ns_max, 5);

@@ -3,8 +3,9 @@
 
 use std::io;
 use std::os::linux::net::SocketAddrExt;
+use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread;
 
@@ -59,6 +60,37 @@ pub enum ServerError {
     /// Registering the stats request eventfd.
     #[error("cannot register stats event: {0}")]
     Register(io::Error),
+    /// Something other than a socket is at a socket path.
+    #[error("{0} exists and is not a socket; refusing to replace it")]
+    NotASocket(PathBuf),
+    /// A stale socket could not be inspected or removed.
+    #[error("cannot replace {path}: {source}")]
+    Stale {
+        /// socket path
+        path: PathBuf,
+        /// cause
+        source: io::Error,
+    },
+}
+
+/// Makes `path` free for a new socket: a stale socket there is removed,
+/// anything else (a regular file, a directory, a symlink, ...) is an error
+/// and stays. The command line checks this too, but a file can appear
+/// between that check and the bind.
+fn claim_socket_path(path: &Path) -> Result<(), ServerError> {
+    let stale = |source| ServerError::Stale {
+        path: path.to_path_buf(),
+        source,
+    };
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => match std::fs::remove_file(path) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(stale(e)),
+            _ => Ok(()),
+        },
+        Ok(_) => Err(ServerError::NotASocket(path.to_path_buf())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(stale(e)),
+    }
 }
 
 fn install_signal_handler(paths: Vec<PathBuf>) -> Result<(), ServerError> {
@@ -139,6 +171,10 @@ fn serve_connection(
 
 /// Runs the daemon until a signal arrives.
 pub fn run(config: Config) -> Result<(), ServerError> {
+    claim_socket_path(&config.socket_path)?;
+    if let Some(c) = &config.control_socket {
+        claim_socket_path(c)?;
+    }
     let state = Arc::new(DeviceState::new(config.initial_target).map_err(ServerError::State)?);
     let discarder: Arc<dyn Discarder> = match config.discard {
         DiscardMode::Auto => Arc::new(HostDiscarder),
@@ -153,9 +189,6 @@ pub fn run(config: Config) -> Result<(), ServerError> {
         );
         Arc::new(DelayedDiscarder::new(discarder, config.discard_delay))
     };
-    if config.socket_path.exists() {
-        let _ = std::fs::remove_file(&config.socket_path);
-    }
     let listener = UnixListener::bind(&config.socket_path).map_err(|source| ServerError::Bind {
         path: config.socket_path.clone(),
         source,
@@ -181,5 +214,91 @@ pub fn run(config: Config) -> Result<(), ServerError> {
             error!("connection {conn_no}: {e}");
             state.connection_closed();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::Args;
+    use clap::Parser;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("vub-server-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// A config for `argv`, validated while its paths do not exist yet (as
+    /// for a file that appears after the daemon checked its arguments).
+    fn config(argv: &[&str]) -> Config {
+        let mut all = vec!["vhost-user-balloon"];
+        all.extend_from_slice(argv);
+        Config::try_from(Args::try_parse_from(all).unwrap()).unwrap()
+    }
+
+    /// Runs the daemon in a thread; its error if it ends within a second.
+    fn run_briefly(config: Config) -> Option<String> {
+        let (tx, rx) = mpsc::channel();
+        thread::spawn(move || {
+            let _ = tx.send(run(config).map_err(|e| e.to_string()));
+        });
+        rx.recv_timeout(Duration::from_secs(1))
+            .ok()
+            .map(|r| r.err().unwrap_or_default())
+    }
+
+    #[test]
+    fn a_regular_file_at_the_socket_path_is_never_deleted() {
+        let d = dir("regular");
+        let sock = d.join("balloon.sock");
+        let c = config(&["-s", sock.to_str().unwrap()]);
+        std::fs::write(&sock, b"keep me").unwrap();
+        let res = run_briefly(c);
+        assert_eq!(
+            std::fs::read(&sock).map_err(|e| e.to_string()),
+            Ok(b"keep me".to_vec()),
+            "the regular file at --socket-path"
+        );
+        assert!(
+            res.as_deref().is_some_and(|e| e.contains("not a socket")),
+            "{res:?}"
+        );
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_regular_file_or_symlink_at_the_control_path_is_never_deleted() {
+        let d = dir("control");
+        let (sock, ctl) = (d.join("balloon.sock"), d.join("balloon.ctl"));
+        let c = config(&[
+            "-s",
+            sock.to_str().unwrap(),
+            "--control-socket",
+            ctl.to_str().unwrap(),
+        ]);
+        std::fs::write(&ctl, b"keep me").unwrap();
+        let res = run_briefly(c.clone());
+        assert_eq!(std::fs::read(&ctl).ok(), Some(b"keep me".to_vec()));
+        assert!(
+            res.as_deref().is_some_and(|e| e.contains("not a socket")),
+            "{res:?}"
+        );
+        // a symlink (to a file that must stay too) is not a socket either
+        let target = d.join("target");
+        std::fs::rename(&ctl, &target).unwrap();
+        std::os::unix::fs::symlink(&target, &ctl).unwrap();
+        let _ = std::fs::remove_file(&sock);
+        let res = run_briefly(c);
+        assert!(std::fs::symlink_metadata(&ctl).is_ok_and(|m| m.file_type().is_symlink()));
+        assert_eq!(std::fs::read(&target).ok(), Some(b"keep me".to_vec()));
+        assert!(
+            res.as_deref().is_some_and(|e| e.contains("not a socket")),
+            "{res:?}"
+        );
+        let _ = std::fs::remove_dir_all(&d);
     }
 }

@@ -12,28 +12,42 @@
 //! * UML re-probes a driver without ever stopping its rings
 //!   (no GET_VRING_BASE); [`RingTracker`] stops them in the library.
 //!
+//! * The library maps the regions of SET_MEM_TABLE (and the log of
+//!   SET_LOG_BASE) as they come and makes the new map current before the
+//!   backend hears of it; a region past the end of its file, or a memfd the
+//!   frontend can truncate, would end the daemon with SIGBUS. The shim checks
+//!   the files first ([`check_request`], [`crate::memfile`]), and refuses
+//!   split rings whose size is not a power of two.
+//!
 //! So the shim relays every message, except that the fd of
 //! SET_BACKEND_REQ_FD is kept here as a [`BackendChannel`] (used to send
 //! config change notifications, without asking for a reply) and the library
 //! gets one end of a socketpair instead; whatever the library sends on it is
 //! bridged to the real channel, replies it waits for (REPLY_ACK) are
 //! synthesised locally. Replies from the library are relayed message by
-//! message, minus the replies to the shim's own GET_VRING_BASE requests. The
-//! shim also observes SET_PROTOCOL_FEATURES for the counters.
+//! message, minus the replies to the shim's own GET_VRING_BASE requests. A
+//! message the shim refuses is answered with a NACK (when the frontend asked
+//! for an ack) and the connection is closed, as the library does with the
+//! messages it refuses. The shim also observes SET_PROTOCOL_FEATURES for the
+//! counters.
 
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::net::Shutdown;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
 
-use log::{debug, info, warn};
+use log::{debug, warn, Level};
 use thiserror::Error;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+
+use crate::memfile::{check_shared_file, MemFileError};
+use crate::metrics::log_sparse;
 
 /// `VHOST_USER_BACKEND_CONFIG_CHANGE_MSG` (backend -> frontend).
 pub const BACKEND_CONFIG_CHANGE_MSG: u32 = 2;
@@ -43,6 +57,8 @@ pub const REQ_SET_PROTOCOL_FEATURES: u32 = 16;
 pub const REQ_SET_BACKEND_REQ_FD: u32 = 21;
 /// `VHOST_USER_SET_MEM_TABLE`.
 pub const REQ_SET_MEM_TABLE: u32 = 5;
+/// `VHOST_USER_SET_LOG_BASE`.
+pub const REQ_SET_LOG_BASE: u32 = 6;
 /// `VHOST_USER_GET_FEATURES`.
 pub const REQ_GET_FEATURES: u32 = 1;
 /// `VHOST_USER_SET_FEATURES`.
@@ -61,6 +77,11 @@ pub const REQ_SET_VRING_KICK: u32 = 12;
 pub const REQ_SET_VRING_CALL: u32 = 13;
 /// `VHOST_USER_F_PROTOCOL_FEATURES` (virtio feature bit 30).
 const F_PROTOCOL_FEATURES: u64 = 1 << 30;
+/// `VHOST_USER_PROTOCOL_F_REPLY_ACK`.
+const PROTOCOL_F_REPLY_ACK: u64 = 1 << 3;
+/// How long a message half written to the backend request channel may wait
+/// for the frontend to make room for the rest.
+const PARTIAL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 /// SET_VRING_KICK/CALL payload: no fd attached.
 const VRING_NOFD_MASK: u64 = 0x100;
 /// Rings the tracker knows about (vhost-user indexes are 8 bits; the
@@ -91,6 +112,103 @@ pub enum ShimError {
     /// Spawning a relay thread failed.
     #[error("cannot spawn relay thread: {0}")]
     Spawn(io::Error),
+    /// A region of SET_MEM_TABLE (or the log of SET_LOG_BASE) cannot be
+    /// mapped without risking SIGBUS.
+    #[error("refused {what}: {source}")]
+    SharedFile {
+        /// which region or log
+        what: String,
+        /// why
+        source: MemFileError,
+    },
+    /// SET_MEM_TABLE with a different number of fds than regions.
+    #[error("refused SET_MEM_TABLE with {regions} region(s) and {fds} fd(s)")]
+    FdCount {
+        /// regions announced
+        regions: u32,
+        /// fds attached
+        fds: usize,
+    },
+    /// SET_VRING_NUM with a size that is not a power of two.
+    #[error("refused SET_VRING_NUM {num} for ring {index}: a split ring's size is a power of two")]
+    RingSize {
+        /// ring index
+        index: u32,
+        /// requested size
+        num: u32,
+    },
+}
+
+fn u64_at(p: &[u8], off: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(p.get(off..off + 8)?.try_into().ok()?))
+}
+
+/// Checks a frontend message before the library sees it (`payload`
+/// without the header, after [`normalize_mem_table`]):
+///
+/// * SET_MEM_TABLE: one fd per region, and every region's file passes
+///   [`check_shared_file`] for `mmap_offset + memory_size`;
+/// * SET_LOG_BASE: the log's file passes it for `mmap_offset + mmap_size`;
+/// * SET_VRING_NUM: the size is a power of two (virtio 1.2 2.7).
+///
+/// Malformed payloads are left to the library, which refuses them.
+pub fn check_request(request: u32, payload: &[u8], fds: &[OwnedFd]) -> Result<(), ShimError> {
+    match request {
+        REQ_SET_MEM_TABLE => {
+            let Some(num) = payload_u32(payload) else {
+                return Ok(());
+            };
+            let n = usize::try_from(num).unwrap_or(usize::MAX);
+            if n != fds.len() {
+                return Err(ShimError::FdCount {
+                    regions: num,
+                    fds: fds.len(),
+                });
+            }
+            for (i, fd) in fds.iter().enumerate() {
+                let base = MEM_TABLE_HDR + i * MEM_REGION_SIZE;
+                // guest_phys_addr, memory_size, userspace_addr, mmap_offset
+                let (Some(size), Some(offset)) =
+                    (u64_at(payload, base + 8), u64_at(payload, base + 24))
+                else {
+                    return Ok(());
+                };
+                check_shared_file(fd.as_fd(), offset, size).map_err(|source| {
+                    ShimError::SharedFile {
+                        what: format!("memory region {i}"),
+                        source,
+                    }
+                })?;
+            }
+            Ok(())
+        }
+        REQ_SET_LOG_BASE => {
+            // mmap_size, mmap_offset
+            let (Some(size), Some(offset), [fd]) = (u64_at(payload, 0), u64_at(payload, 8), fds)
+            else {
+                return Ok(());
+            };
+            check_shared_file(fd.as_fd(), offset, size).map_err(|source| {
+                ShimError::SharedFile {
+                    what: "dirty log".into(),
+                    source,
+                }
+            })?;
+            Ok(())
+        }
+        REQ_SET_VRING_NUM => {
+            let (Some(index), Some(num)) = (payload_u32(payload), payload_u32_at(payload, 4))
+            else {
+                return Ok(());
+            };
+            if num.is_power_of_two() {
+                Ok(())
+            } else {
+                Err(ShimError::RingSize { index, num })
+            }
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Trims the unused tail of a SET_MEM_TABLE payload.
@@ -176,7 +294,11 @@ pub struct RingTracker {
 }
 
 fn payload_u32(p: &[u8]) -> Option<u32> {
-    Some(u32::from_le_bytes(p.get(..4)?.try_into().ok()?))
+    payload_u32_at(p, 0)
+}
+
+fn payload_u32_at(p: &[u8], off: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(p.get(off..off + 4)?.try_into().ok()?))
 }
 
 fn payload_u64(p: &[u8]) -> Option<u64> {
@@ -296,14 +418,20 @@ fn vring_state_msg(request: u32, index: u32, num: u32) -> Vec<u8> {
 }
 
 /// Stops ring `stop.index` in the library (and gives it the call fd again).
+/// `n` counts the stops of this connection (for [`log_sparse`]).
 fn stop_ring(
     back: &UnixStream,
     tracker: &RingTracker,
     replies: &ReplyQueue,
     stop: &RingStop,
     why: &str,
+    n: u64,
 ) -> io::Result<()> {
-    info!("stopping ring {} (frontend {})", stop.index, why);
+    log_sparse(
+        Level::Info,
+        n,
+        format_args!("stopping ring {} (frontend {why})", stop.index),
+    );
     replies
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -427,26 +555,114 @@ fn is_socket(fd: &OwnedFd) -> bool {
 
 /// The frontend's backend request channel (a socket, or a pipe on UML).
 /// Messages are written with plain `write()` and never ask for a reply.
+///
+/// The fd is non-blocking: a frontend that stops reading its channel must
+/// not hang the thread that sends (the control socket's, for `set_target`).
+/// A message that does not fit at all fails with `WouldBlock` and nothing
+/// is written; a message that fits in part waits up to
+/// [`PARTIAL_WRITE_TIMEOUT`] for the rest, and if the frontend does not take
+/// it the channel is marked broken (the stream is out of step) and every
+/// later send fails.
 #[derive(Debug)]
 pub struct BackendChannel {
-    file: Mutex<File>,
+    state: Mutex<ChannelState>,
+}
+
+#[derive(Debug)]
+struct ChannelState {
+    file: File,
+    broken: bool,
+}
+
+/// Sets `O_NONBLOCK` on `fd` (the frontend passed us its own end and
+/// closed it, as QEMU and UML do).
+fn set_nonblocking(fd: &OwnedFd) -> io::Result<()> {
+    // SAFETY: fcntl on a valid fd we own.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Waits until `file` is writable or `deadline` passed; true if writable.
+fn wait_writable(file: &File, deadline: Instant) -> bool {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let ms = libc::c_int::try_from(left.as_millis()).unwrap_or(libc::c_int::MAX);
+    let mut pfd = libc::pollfd {
+        fd: file.as_raw_fd(),
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
+    rc > 0 && pfd.revents & libc::POLLOUT != 0
 }
 
 impl BackendChannel {
     /// Wraps the fd received in SET_BACKEND_REQ_FD.
     pub fn new(fd: OwnedFd) -> Self {
+        if let Err(e) = set_nonblocking(&fd) {
+            warn!("backend request channel stays blocking: {e}");
+        }
         Self {
-            file: Mutex::new(File::from(fd)),
+            state: Mutex::new(ChannelState {
+                file: File::from(fd),
+                broken: false,
+            }),
         }
     }
 
-    /// Writes one message (header flags: NEED_REPLY cleared).
+    /// Writes one message (header flags: NEED_REPLY cleared). Never blocks
+    /// for longer than [`PARTIAL_WRITE_TIMEOUT`] (see the type).
     pub fn send(&self, mut hdr: Header, payload: &[u8]) -> io::Result<()> {
         hdr.flags = (hdr.flags | FLAG_VERSION) & !FLAG_NEED_REPLY;
         let mut msg = hdr.to_bytes().to_vec();
         msg.extend_from_slice(payload);
-        let mut f = self.file.lock().unwrap_or_else(|p| p.into_inner());
-        f.write_all(&msg)
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.broken {
+            return Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "backend request channel out of step after a partial message",
+            ));
+        }
+        let deadline = Instant::now() + PARTIAL_WRITE_TIMEOUT;
+        let mut off = 0;
+        while off < msg.len() {
+            match st.file.write(&msg[off..]) {
+                Ok(0) => {
+                    st.broken = off > 0;
+                    return Err(io::ErrorKind::WriteZero.into());
+                }
+                Ok(n) => off += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock && off == 0 => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::WouldBlock,
+                        "backend request channel full: the frontend does not read it",
+                    ));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if !wait_writable(&st.file, deadline) {
+                        st.broken = true;
+                        return Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "the frontend stopped reading its backend request channel \
+                             in the middle of a message",
+                        ));
+                    }
+                }
+                Err(e) => {
+                    st.broken = off > 0;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Sends VHOST_USER_BACKEND_CONFIG_CHANGE_MSG.
@@ -533,14 +749,41 @@ fn recv_message(sock: &UnixStream) -> Result<Option<Message>, ShimError> {
     Ok(Some((hdr, msg, fds)))
 }
 
+/// Serialises writes to the frontend socket: the library's replies (relayed)
+/// and the shim's own NACKs.
+type FrontLock = Arc<Mutex<()>>;
+
+/// Answers a refused message with a NACK when the frontend asked for an
+/// ack (REPLY_ACK negotiated and NEED_REPLY set).
+fn nack(front: &UnixStream, lock: &FrontLock, hdr: Header, reply_ack: bool) {
+    if !(reply_ack && hdr.flags & FLAG_NEED_REPLY != 0) {
+        return;
+    }
+    let mut m = Header {
+        request: hdr.request,
+        flags: FLAG_VERSION | FLAG_REPLY,
+        size: 8,
+    }
+    .to_bytes()
+    .to_vec();
+    m.extend_from_slice(&1u64.to_le_bytes());
+    let _g = lock.lock().unwrap_or_else(|p| p.into_inner());
+    if let Err(e) = send_all(front, &m, &[]) {
+        debug!("NACK to request {}: {e}", hdr.request);
+    }
+}
+
 /// Relays frontend -> library, message by message.
 fn frontend_to_backend(
     front: &UnixStream,
     back: &UnixStream,
     hooks: &Hooks,
     replies: &ReplyQueue,
+    front_lock: &FrontLock,
 ) -> Result<(), ShimError> {
     let mut rings = RingTracker::default();
+    let mut protocol = 0u64;
+    let (mut stops, mut channels) = (0u64, 0u64);
     loop {
         let Some((hdr, mut msg, mut fds)) = recv_message(front)? else {
             return Ok(());
@@ -558,13 +801,18 @@ fn frontend_to_backend(
         if cut > 0 {
             debug!("SET_MEM_TABLE: dropped {cut} bytes of unused region slots");
         }
+        if let Err(e) = check_request(hdr.request, &msg[HDR_SIZE..], &fds) {
+            nack(front, front_lock, hdr, protocol & PROTOCOL_F_REPLY_ACK != 0);
+            return Err(e);
+        }
         let why = if hdr.request == REQ_GET_FEATURES {
             "tears the rings down"
         } else {
             "sets the ring up again"
         };
         for stop in rings.before_forward(hdr.request, &msg[HDR_SIZE..], &fds) {
-            stop_ring(back, &rings, replies, &stop, why)?;
+            stops += 1;
+            stop_ring(back, &rings, replies, &stop, why, stops)?;
         }
         if hdr.request == REQ_GET_VRING_BASE {
             replies
@@ -575,16 +823,21 @@ fn frontend_to_backend(
         if hdr.request == REQ_SET_PROTOCOL_FEATURES && size == 8 {
             let mut v = [0u8; 8];
             v.copy_from_slice(&msg[HDR_SIZE..]);
-            (hooks.on_protocol_features)(u64::from_le_bytes(v));
+            protocol = u64::from_le_bytes(v);
+            (hooks.on_protocol_features)(protocol);
         }
         if hdr.request == REQ_SET_BACKEND_REQ_FD && fds.len() == 1 {
-            if is_socket(&fds[0]) {
-                info!("frontend gave us a backend request socket");
+            channels += 1;
+            let kind = if is_socket(&fds[0]) {
+                "a socket"
             } else {
-                info!(
-                    "backend request fd is a pipe (User-Mode Linux): no replies will be requested"
-                );
-            }
+                "a pipe (User-Mode Linux): no replies will be requested"
+            };
+            log_sparse(
+                Level::Info,
+                channels,
+                format_args!("backend request channel is {kind}"),
+            );
             let chan = Arc::new(BackendChannel::new(fds.remove(0)));
             let (ours, theirs) = UnixStream::pair()?;
             let c2 = chan.clone();
@@ -607,6 +860,7 @@ fn backend_to_frontend(
     back: &UnixStream,
     front: &UnixStream,
     replies: &ReplyQueue,
+    front_lock: &FrontLock,
 ) -> Result<(), ShimError> {
     loop {
         let Some((hdr, msg, fds)) = recv_message(back)? else {
@@ -631,6 +885,7 @@ fn backend_to_frontend(
             hdr.request, hdr.flags, hdr.size
         );
         let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+        let _g = front_lock.lock().unwrap_or_else(|p| p.into_inner());
         send_all(front, &msg, &raw)?;
     }
 }
@@ -647,10 +902,12 @@ impl Shim {
         let (f1, b1) = (front.try_clone()?, back.try_clone()?);
         let replies: ReplyQueue = Arc::default();
         let r2 = replies.clone();
+        let front_lock: FrontLock = Arc::default();
+        let l2 = front_lock.clone();
         let t1 = thread::Builder::new()
             .name("shim-f2b".into())
             .spawn(move || {
-                if let Err(e) = frontend_to_backend(&f1, &b1, &hooks, &replies) {
+                if let Err(e) = frontend_to_backend(&f1, &b1, &hooks, &replies, &front_lock) {
                     warn!("frontend connection: {e}");
                 }
                 let _ = b1.shutdown(Shutdown::Both);
@@ -660,7 +917,7 @@ impl Shim {
         let t2 = thread::Builder::new()
             .name("shim-b2f".into())
             .spawn(move || {
-                if let Err(e) = backend_to_frontend(&back, &front, &r2) {
+                if let Err(e) = backend_to_frontend(&back, &front, &r2, &l2) {
                     debug!("backend side: {e}");
                 }
                 let _ = front.shutdown(Shutdown::Both);
@@ -878,6 +1135,113 @@ mod tests {
         assert!(t
             .before_forward(REQ_SET_VRING_NUM, &ring_state(200), &[])
             .is_empty());
+    }
+
+    fn sealed_memfd(size: u64) -> OwnedFd {
+        let name = std::ffi::CString::new("shim-test").unwrap();
+        // SAFETY: valid C string; we own the returned fd.
+        let fd = unsafe {
+            libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
+        assert!(fd >= 0);
+        // SAFETY: fresh fd owned by nobody else.
+        let f = unsafe { File::from_raw_fd(fd) };
+        f.set_len(size).unwrap();
+        // SAFETY: fcntl on a valid fd.
+        assert_eq!(
+            unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) },
+            0
+        );
+        OwnedFd::from(f)
+    }
+
+    fn mem_table_payload(regions: &[(u64, u64)]) -> Vec<u8> {
+        let mut p = u32::try_from(regions.len()).unwrap().to_le_bytes().to_vec();
+        p.extend_from_slice(&[0; 4]);
+        for &(size, offset) in regions {
+            for v in [0x4000_0000u64, size, 0x7000_0000_0000, offset] {
+                p.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        p
+    }
+
+    #[test]
+    fn mem_table_regions_must_lie_inside_their_files() {
+        let fd = || sealed_memfd(1 << 20);
+        let ok = mem_table_payload(&[(1 << 20, 0)]);
+        assert!(check_request(REQ_SET_MEM_TABLE, &ok, &[fd()]).is_ok());
+        let past = mem_table_payload(&[(1 << 40, 0)]);
+        let e = check_request(REQ_SET_MEM_TABLE, &past, &[fd()]).unwrap_err();
+        assert!(e.to_string().contains("past the end"), "{e}");
+        // the second region is the bad one
+        let two = mem_table_payload(&[(4096, 0), (4096, 1 << 20)]);
+        let e = check_request(REQ_SET_MEM_TABLE, &two, &[fd(), fd()]).unwrap_err();
+        assert!(e.to_string().contains("memory region 1"), "{e}");
+        // one fd per region
+        let e = check_request(REQ_SET_MEM_TABLE, &ok, &[]).unwrap_err();
+        assert!(
+            matches!(e, ShimError::FdCount { regions: 1, fds: 0 }),
+            "{e}"
+        );
+        // a truncated payload is the library's to refuse
+        assert!(check_request(REQ_SET_MEM_TABLE, &ok[..20], &[fd()]).is_ok());
+    }
+
+    #[test]
+    fn dirty_log_must_lie_inside_its_file() {
+        let mut p = (8192u64).to_le_bytes().to_vec();
+        p.extend_from_slice(&0u64.to_le_bytes());
+        let e = check_request(REQ_SET_LOG_BASE, &p, &[sealed_memfd(4096)]).unwrap_err();
+        assert!(e.to_string().contains("dirty log"), "{e}");
+        assert!(check_request(REQ_SET_LOG_BASE, &p, &[sealed_memfd(8192)]).is_ok());
+    }
+
+    #[test]
+    fn ring_sizes_are_powers_of_two() {
+        for (num, ok) in [(1, true), (256, true), (1024, true), (0, false), (3, false)] {
+            let p = ring_state(0)
+                .into_iter()
+                .take(4)
+                .chain(u32::to_le_bytes(num))
+                .collect::<Vec<u8>>();
+            assert_eq!(
+                check_request(REQ_SET_VRING_NUM, &p, &[]).is_ok(),
+                ok,
+                "{num}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_full_backend_channel_does_not_block() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let chan = BackendChannel::new(OwnedFd::from(theirs));
+        let t = std::time::Instant::now();
+        let mut sent = 0;
+        let err = loop {
+            match chan.send_config_change() {
+                Ok(()) => sent += 1,
+                Err(e) => break e,
+            }
+            assert!(sent < 1_000_000, "the channel never filled up");
+        };
+        assert_eq!(err.kind(), io::ErrorKind::WouldBlock, "{err}");
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        // nothing half written: the reader sees whole messages only, and
+        // once it reads, sending works again
+        let mut r = ours;
+        r.set_nonblocking(true).unwrap();
+        let mut buf = vec![0u8; HDR_SIZE * (sent + 1)];
+        let mut got = 0;
+        while let Ok(n) = r.read(&mut buf[got..]) {
+            if n == 0 {
+                break;
+            }
+            got += n;
+        }
+        assert_eq!(got, HDR_SIZE * sent);
+        assert!(chan.send_config_change().is_ok());
     }
 
     #[test]

@@ -1,15 +1,22 @@
 //! Fuzzes everything the guest controls, through the pure parsing and
 //! validation functions: PFN arrays (inflateq/deflateq), the inflate bitmap
 //! written back under bit 7, reported ranges and the used length under bit 6
-//! (reporting_vq descriptors), stats payloads (statsq) and config writes
-//! (partial, whole-space as QEMU's vhost-user-device sends them, or larger).
+//! (reporting_vq descriptors), stats payloads (statsq), config writes
+//! (partial, whole-space as QEMU's vhost-user-device sends them, or larger)
+//! and descriptor tables (the chains the device reads from a ring).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
+use vhost_user_balloon::chain::{Chain, DESC_F_INDIRECT, DESC_F_NEXT, DESC_SIZE};
+use vhost_user_balloon::discard::GuestMem;
 use vhost_user_balloon::ranges::{
     self, split_to_pages, BalloonConfig, GuestRange, RegionInfo, RejectReason,
 };
 use vhost_user_balloon::spec::{self, PAGE_SIZE};
+use vm_memory::{Bytes, GuestAddress};
+
+/// Guest memory for the descriptor-table case: one 64 KiB region at 0.
+const TABLE_MEM: usize = 64 * 1024;
 
 fn u64_at(d: &[u8], i: usize) -> u64 {
     let mut b = [0u8; 8];
@@ -39,7 +46,7 @@ fuzz_target!(|data: &[u8]| {
     if data.len() < 4 {
         return;
     }
-    let sel = data[0] % 7;
+    let sel = data[0] % 8;
     let body = &data[1..];
     // Two regions with a hole between them, like UML's highmem layout.
     let regions = [
@@ -143,6 +150,41 @@ fuzz_target!(|data: &[u8]| {
             let used = ranges::report_used_len(&lens, true);
             assert!(u64::from(used) == total || (used == 0 && total > u64::from(u32::MAX)));
             assert_eq!(ranges::report_used_len(&lens, false), 0);
+        }
+        7 => {
+            // a descriptor table: ring size (a power of two up to 1024),
+            // head, then the table itself from guest address 0
+            let size = 1u16 << (body[0] % 11);
+            let head = u16::from_le_bytes([body[1], body[2]]);
+            let table = &body[3..body.len().min(TABLE_MEM + 3)];
+            let mem = match GuestMem::from_ranges(&[(GuestAddress(0), TABLE_MEM)]) {
+                Ok(m) => m,
+                Err(_) => return,
+            };
+            mem.write_slice(table, GuestAddress(0)).unwrap();
+            if let Ok(c) = Chain::read(&mem, 0, size, head) {
+                // never longer than the ring, never more than 4 GiB, and
+                // every descriptor came from the ring's own table along its
+                // next fields, none of them indirect
+                assert!(head < size);
+                assert!(!c.descs.is_empty() && c.descs.len() <= usize::from(size));
+                let total: u64 = c.descs.iter().map(|d| u64::from(d.len)).sum();
+                assert!(total <= u64::from(u32::MAX));
+                let mut index = head;
+                for (k, d) in c.descs.iter().enumerate() {
+                    let at = usize::from(index) * DESC_SIZE as usize;
+                    let raw: Vec<u8> = (at..at + 16)
+                        .map(|i| table.get(i).copied().unwrap_or(0))
+                        .collect();
+                    assert_eq!(d.addr, u64_at(&raw, 0));
+                    assert_eq!(u64::from(d.len), u64_at(&raw, 8) & 0xffff_ffff);
+                    let flags = u16::from_le_bytes([raw[12], raw[13]]);
+                    assert_eq!(flags & DESC_F_INDIRECT, 0);
+                    let last = k + 1 == c.descs.len();
+                    assert_eq!(flags & DESC_F_NEXT == 0, last);
+                    index = u16::from_le_bytes([raw[14], raw[15]]);
+                }
+            }
         }
         _ => {
             let r = GuestRange::new(u64_at(body, 0), u64_at(body, 8));
