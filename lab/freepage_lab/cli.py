@@ -8,14 +8,18 @@ import sys
 import time
 from pathlib import Path
 
-from . import demo, insntrace, kernel, paths, prefixbuild, qemu, scenarios
+from . import demo, harness, insntrace, kernel, paths, prefixbuild, qemu, scenarios
 from . import guest as guest_mod
 from .context import RunContext
 from .demo import medians
-from .runners import PLATFORMS, GuestConfig
+from .initramfs import BOOTED
+from .platforms import PLATFORMS
 from .scenarios.zerobench import BENCH_PATCH
 from .shell import LabError, Shell, StageResult
 
+# `freepage boot`: the context's kernel (--vanilla) and QEMU (--patched-qemu),
+# a balloon that does not zero
+BOOT = harness.Variant("boot")
 DEFAULT_BOOT_SCRIPT = """uname -a
 grep -E 'MemTotal|MemFree' /proc/meminfo
 ls /sys/bus/virtio/drivers/virtio_balloon 2>/dev/null | grep -q virtio && echo balloon: bound
@@ -92,19 +96,19 @@ def cmd_boot(args: argparse.Namespace, shell: Shell) -> int:
                             accel=args.accel, patched=not args.vanilla, variant=args.variant,
                             extra_fragments=tuple(args.fragment), patched_qemu=args.patched_qemu)
     script = Path(args.script).read_text() if args.script else DEFAULT_BOOT_SCRIPT
-    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("boot", script), mem_mib=args.mem,
-                      cmdline=args.cmdline or [])
-    guest = ctx.runner().guest(f"boot-{args.platform}", cfg, ctx.log("boot"))
+    plan = harness.Plan(script, initrd="boot", mem_mib=args.mem,
+                        cmdline=tuple(args.cmdline or ()), timeout_s=args.timeout)
     start = time.monotonic()
-    if shell.dry_run:
-        guest.start()
-        return 0
-    with guest:
-        guest.wait_for(r"FREEPAGE-BOOTED", args.timeout)
+    with harness.start(ctx, BOOT, f"boot-{args.platform}", plan) as run:
+        if run is None:
+            return 0
+        run.guest.wait_for(BOOTED, args.timeout)
         booted = time.monotonic() - start
-        rc = guest.wait_exit(args.timeout)
-    print(guest.tail(60))
-    print(f"boot {args.platform}: booted in {booted:.1f} s, script exit {rc}, log {guest.log_path}")
+        rc = run.wait_exit()
+    print(run.guest.tail(60))
+    print(f"boot {args.platform}: booted in {booted:.1f} s, script exit {rc}, "
+          f"log {run.guest.log_path}")
+    harness.check(run.booted)
     return rc
 
 
@@ -114,7 +118,7 @@ def cmd_run(args: argparse.Namespace, shell: Shell) -> int:
     ctx = RunContext.create(shell, f"{args.scenario}-{args.platform}", platform=args.platform,
                             accel=args.accel, patched=not args.vanilla, variant=args.variant,
                             extra_fragments=tuple(args.fragment), patched_qemu=args.patched_qemu)
-    outcome = scenario.run(ctx, params)
+    outcome = scenarios.run(scenario, ctx, params)
     print(outcome.table)
     for p in outcome.plots:
         print(f"plot: {p}")
@@ -186,7 +190,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def platform_opts(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--platform", choices=PLATFORMS, default="qemu",
+        sp.add_argument("--platform", choices=tuple(PLATFORMS), default="qemu",
                         help="arm64: qemu-system-aarch64 with EL2, the guest runs KVM")
         sp.add_argument("--accel", choices=("auto", "tcg", "kvm"), default="auto",
                         help="QEMU accelerator; auto uses KVM only if it is hardware KVM")

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import time
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import initramfs, kernel, paths
 from . import qemu as qemu_mod
-from .runners import PLATFORM_ARCH, STOCK_QEMU, GuestConfig, Runner, make_runner
+from .platforms import Platform, platform
+from .runners import STOCK_QEMU, Runner, make_runner
 from .shell import Shell
 
 
@@ -25,9 +27,11 @@ class RunContext:
     extra_fragments: tuple[str, ...] = ()
     # QEMU: Debian's stock build, or one with qemu/patches applied
     patched_qemu: bool = False
+    # what is built once per run, shared by the contexts on() makes
     _kernels: dict[str, kernel.BuiltKernel] = field(default_factory=dict)
-    _qemu: Path | None = None
+    _qemu: dict[str, Path] = field(default_factory=dict)
     _base_initrd: dict[str, Path] = field(default_factory=dict)
+    _initrds: dict[Path, str] = field(default_factory=dict)
 
     @classmethod
     def create(cls, shell: Shell, label: str, **kw: object) -> RunContext:
@@ -37,75 +41,54 @@ class RunContext:
             run_dir.mkdir(parents=True, exist_ok=True)
         return cls(shell=shell, run_dir=run_dir, **kw)  # type: ignore[arg-type]
 
+    def on(self, platform_name: str, **kw: object) -> RunContext:
+        """The same run (directory, builds) on another platform, or with
+        other settings (patched=..., patched_qemu=...)."""
+        return dataclasses.replace(self, platform=platform_name, **kw)  # type: ignore[arg-type]
+
+    @property
+    def machine(self) -> Platform:
+        return platform(self.platform)
+
     @property
     def arch(self) -> str:
-        return PLATFORM_ARCH[self.platform]
+        return self.machine.arch
 
-    def runner(self, platform: str | None = None,
-               patched_qemu: bool | None = None) -> Runner:
-        platform = platform or self.platform
-        binary = self.qemu_binary(patched_qemu) if platform == "qemu" else STOCK_QEMU
-        return make_runner(platform, self.shell, self.accel, binary)
-
-    def balloon_runner(self, cfg: GuestConfig, zeroing: bool | None = None) -> Runner:
-        """The runner for a guest whose balloon zeroes reported and inflated
-        pages and says so (bits 6 and 7, proposed), or does not.
-
-        zeroing None: what the context stands for (freepage = the series on
-        the patched QEMU). QEMU: the patched build offers the bits, Debian's
-        cannot. UML: vhost-user-balloon offers them unless balloon_host()
-        passed it --no-init-bits.
-        """
-        if zeroing is None:
-            zeroing = self.patched and self.patched_qemu
-        if self.platform == "uml":
-            return self.runner()
-        # QEMU refuses bit 6 without the reporting queue it belongs to
-        cfg.device_init_reported = zeroing and cfg.free_page_reporting
-        cfg.device_init_on_inflate = zeroing
-        return self.runner(patched_qemu=zeroing or self.patched_qemu)
+    def runner(self, patched_qemu: bool | None = None) -> Runner:
+        binary = (self.qemu_binary(patched_qemu) if self.machine.patched_qemu
+                  else STOCK_QEMU)
+        return make_runner(self.platform, self.shell, self.accel, binary)
 
     def qemu_binary(self, patched: bool | None = None) -> Path:
         """The QEMU to run: stock, or the patched build (built once, cached)."""
         if not (self.patched_qemu if patched is None else patched):
             return STOCK_QEMU
-        if self._qemu is None:
-            self._qemu = qemu_mod.build(self.shell).binary
-        return self._qemu
+        if "patched" not in self._qemu:
+            self._qemu["patched"] = qemu_mod.build(self.shell).binary
+        return self._qemu["patched"]
 
-    def kernel(self, platform: str | None = None, patched: bool | None = None,
-               extra_patches: tuple[str, ...] = ()) -> Path:
-        arch = PLATFORM_ARCH[platform or self.platform]
+    def kernel(self, patched: bool | None = None, extra_patches: tuple[str, ...] = ()) -> Path:
         want_patched = self.patched if patched is None else patched
         fragments = (self.extra_fragments if want_patched else
                      tuple(f for f in self.extra_fragments if f in kernel.STOCK_FRAGMENTS))
-        spec = kernel.BuildSpec(arch, self.variant, want_patched, fragments, extra_patches)
+        spec = kernel.BuildSpec(self.arch, self.variant, want_patched, fragments, extra_patches)
         if spec.label not in self._kernels:
             self._kernels[spec.label] = kernel.build(self.shell, spec)
         return self._kernels[spec.label].image
 
     def initrd(self, name: str, script: str) -> Path:
+        """The arch's base initramfs plus `script` as /run.sh, written once
+        per (name, script)."""
         if self.arch not in self._base_initrd:
             self._base_initrd[self.arch] = initramfs.base_image(self.shell, self.arch)
         dest = self.run_dir / "initrd" / f"{name}.cpio"
         if self.shell.dry_run:
             return dest
-        return initramfs.with_script(self._base_initrd[self.arch], script, dest)
-
-    def balloon_host(self, cfg: GuestConfig, name: str,
-                     extra: tuple[str, ...] = ()) -> AbstractContextManager[object]:
-        """The balloon's host side: vhost-user-balloon for UML; QEMU brings its own.
-
-        Sets the guest's vhost-user socket; enter it around the guest's life.
-        """
-        if self.platform != "uml":
-            return nullcontext()
-        from .backend import BalloonBackend
-
-        backend = BalloonBackend(self.shell, self.run_dir / f"{name}.sock",
-                                 self.log(f"{name}-backend"), list(extra))
-        cfg.vhost_user_balloon = backend.socket
-        return backend
+        key = hashlib.sha256(f"{self.arch}\0{script}".encode()).hexdigest()
+        if self._initrds.get(dest) != key:
+            initramfs.with_script(self._base_initrd[self.arch], script, dest)
+            self._initrds[dest] = key
+        return dest
 
     def log(self, name: str) -> Path:
         return self.run_dir / "logs" / f"{name}.log"

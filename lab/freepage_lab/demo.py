@@ -102,6 +102,7 @@ FRAGMENTS = ("bench.config",)
 
 def contexts(shell: Shell, accel: str) -> tuple[RunContext, RunContext]:
     stock = RunContext.create(shell, "demo", accel=accel, extra_fragments=FRAGMENTS)
+    # its own builds: the dry run prints each side's kernels
     freepage = RunContext(shell=shell, run_dir=stock.run_dir, accel=accel, patched=True,
                           patched_qemu=True, extra_fragments=FRAGMENTS)
     return stock, freepage
@@ -110,13 +111,12 @@ def contexts(shell: Shell, accel: str) -> tuple[RunContext, RunContext]:
 def run_step(step: Step, stock: RunContext, freepage: RunContext, quick: bool) -> str:
     scenario = scenarios.get(step.scenario)
     params = scenario.params(step.quick if quick else step.params)
-    for ctx in (stock, freepage):
-        ctx.platform = step.platform
+    stock, freepage = stock.on(step.platform), freepage.on(step.platform)
     if step.kind == "own":
-        outcome: Outcome = scenario.run(freepage, params)
+        outcome: Outcome = scenarios.run(scenario, freepage, params)
         return outcome.table
-    a = scenario.run(stock, params)
-    b = scenario.run(freepage, params)
+    a = scenarios.run(scenario, stock, params)
+    b = scenarios.run(scenario, freepage, params)
     if stock.shell.dry_run:
         return "(dry run)"
     return side_by_side(a.data, b.data)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .initramfs import EXIT
+from .procfs import group_members
 from .shell import LabError, Shell
 
 PANIC_RE = re.compile(r"Kernel panic - not syncing.*|BUG: .*|Oops: .*")
@@ -43,22 +44,6 @@ def _on_term(signum: int, _frame: object) -> None:
 atexit.register(kill_all)
 if threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGTERM, _on_term)
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes in a process group, from /proc."""
-    live = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            live.append(int(entry))
-    return live
 
 
 class GuestError(LabError):

@@ -13,15 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import paths
+from . import paths, platforms
 from .shell import LabError, Shell
 
 BUSYBOX = Path("/bin/busybox")
 GUEST_PROGS = ("populate", "dirty", "churn", "pagefault", "cachewalk")
-# arm64 guests: Debian's busybox-static:arm64, unpacked from the .deb (the
-# package is not Multi-Arch, so it cannot be installed beside the host's)
-ARM64_BUSYBOX_PACKAGE = "busybox-static:arm64"
-ARCH_CC = {"x86_64": "gcc", "um": "gcc", "arm64": "aarch64-linux-gnu-gcc"}
 
 # Markers the host parses from the console.
 BOOTED = "FREEPAGE-BOOTED"
@@ -110,29 +106,32 @@ def base_entries(progs_dir: Path, busybox: Path = BUSYBOX) -> list[Entry]:
 
 
 def build_guest_programs(shell: Shell, arch: str = "x86_64") -> Path:
-    out = paths.cache_dir() / ("guest" if arch != "arm64" else f"guest-{arch}")
+    cross = platforms.arch(arch).cross_compile
+    out = paths.cache_dir() / (f"guest-{arch}" if cross else "guest")
     argv: list[str | Path] = ["make", "-s", "-C", paths.GUEST_DIR, f"OUT={out}"]
-    if arch == "arm64":
-        argv.append(f"CC={ARCH_CC[arch]}")
+    if cross:
+        argv.append(f"CC={platforms.arch(arch).cc}")
     shell.run(argv, what=f"build guest programs ({arch})")
     return out
 
 
-def arm64_busybox(shell: Shell) -> Path:
-    """Debian's static arm64 busybox, downloaded and unpacked once."""
-    where = paths.cache_dir() / "arm64-busybox"
+def debian_busybox(shell: Shell, package: str) -> Path:
+    """A Debian busybox-static of another arch, downloaded and unpacked once
+    (the package is not Multi-Arch: it cannot be installed beside the host's)."""
+    deb_arch = package.split(":")[1]
+    where = paths.cache_dir() / f"{deb_arch}-busybox"
     binary = where / "root" / "bin" / "busybox"
     if binary.exists():
         return binary
     where.mkdir(parents=True, exist_ok=True)
-    shell.run(["apt-get", "download", ARM64_BUSYBOX_PACKAGE], cwd=where,
-              what=f"download {ARM64_BUSYBOX_PACKAGE} (needs `dpkg --add-architecture arm64`)")
-    debs = sorted(where.glob("busybox-static_*_arm64.deb"))
+    shell.run(["apt-get", "download", package], cwd=where,
+              what=f"download {package} (needs `dpkg --add-architecture {deb_arch}`)")
+    debs = sorted(where.glob(f"busybox-static_*_{deb_arch}.deb"))
     if shell.dry_run:
         return binary
     if not debs:
-        raise LabError(f"apt-get download {ARM64_BUSYBOX_PACKAGE} left no .deb in {where}")
-    shell.run(["dpkg-deb", "-x", debs[-1], where / "root"], what="unpack arm64 busybox")
+        raise LabError(f"apt-get download {package} left no .deb in {where}")
+    shell.run(["dpkg-deb", "-x", debs[-1], where / "root"], what=f"unpack {deb_arch} busybox")
     return binary
 
 
@@ -148,10 +147,12 @@ def base_image(shell: Shell, arch: str = "x86_64") -> Path:
     progs = build_guest_programs(shell, arch)
     extra: list[Entry] = []
     busybox = BUSYBOX
-    if arch == "arm64":
+    desc = platforms.arch(arch)
+    if desc.busybox_package:
+        busybox = debian_busybox(shell, desc.busybox_package)
+    if desc.kvm_selftests:
         from . import selftests
 
-        busybox = arm64_busybox(shell)
         kvm_dir = selftests.build(shell)
         if not shell.dry_run:
             extra = kvm_selftest_entries(kvm_dir)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import re
@@ -12,13 +11,13 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
-from . import patchqueue, paths
+from . import buildcache, patchqueue, paths, platforms
+from .buildcache import ccache_env
 from .shell import LabError, Shell, StageResult, timed
 
-ARCHES = ("um", "x86_64", "arm64")
-# arm64 is cross-built with this toolchain prefix (gcc-aarch64-linux-gnu)
-CROSS_COMPILE = {"arm64": "aarch64-linux-gnu-"}
+ARCHES = tuple(platforms.ARCHES)
 VARIANTS = ("release", "debug")
 PATCHED_FRAGMENTS = ("never-zero-twice.config",)
 
@@ -108,34 +107,20 @@ def base_tree(shell: Shell) -> Path:
 # Patch queue
 # --------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Series:
-    """A `series` file's patches (kernel/<series>/patches/series), in order."""
-
-    directory: Path
-    names: tuple[str, ...]
+class Series(patchqueue.Series):
+    """A kernel series (kernel/<series>/patches/series), or the patches of a
+    queue and every series it requires."""
 
     @classmethod
-    def load(cls, directory: Path = paths.PATCH_DIR) -> Series:
-        series = directory / "series"
-        if not series.exists():
-            return cls(directory, ())
-        names = []
-        for raw in series.read_text().splitlines():
-            line = raw.split("#", 1)[0].strip()
-            if not line:
-                continue
-            if not (directory / line).is_file():
-                raise LabError(f"{series}: lists {line}, which does not exist")
-            names.append(line)
-        return cls(directory, tuple(names))
+    def load(cls, directory: Path = paths.PATCH_DIR) -> Self:
+        return super().load(directory)
 
     @classmethod
-    def empty(cls) -> Series:
+    def empty(cls) -> Self:
         return cls(paths.KERNEL_DIR, ())
 
     @classmethod
-    def stacked(cls, queue: Queue) -> Series:
+    def stacked(cls, queue: Queue) -> Self:
         """Every patch of `queue` and the series it requires, in the order
         they apply, named relative to kernel/."""
         names: list[str] = []
@@ -143,17 +128,6 @@ class Series:
             rel = q.patch_dir.relative_to(paths.KERNEL_DIR)
             names += [f"{rel}/{n}" for n in cls.load(q.patch_dir).names]
         return cls(paths.KERNEL_DIR, tuple(names))
-
-    @property
-    def files(self) -> list[Path]:
-        return [self.directory / n for n in self.names]
-
-    def digest(self) -> str:
-        h = hashlib.sha256()
-        for f in self.files:
-            h.update(f.name.encode() + b"\0")
-            h.update(f.read_bytes())
-        return h.hexdigest()
 
 
 def tree_path(shell: Shell, series: Series) -> Path:
@@ -296,8 +270,7 @@ class BuildSpec:
     extra_patches: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHES:
-            raise LabError(f"unknown arch {self.arch!r}; choose one of {', '.join(ARCHES)}")
+        platforms.arch(self.arch)
         if self.variant not in VARIANTS:
             raise LabError(f"unknown variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
 
@@ -375,7 +348,7 @@ def build_key(spec: BuildSpec, version: str, series: Series) -> str:
 def make_argv(src: Path, out: Path, arch: str, *targets: str, jobs: int | None = None,
               ccache: bool = False) -> list[str]:
     argv = ["make", "-C", str(src), f"O={out}", f"ARCH={arch}"]
-    cross = CROSS_COMPILE.get(arch, "")
+    cross = platforms.arch(arch).cross_compile
     if cross:
         argv.append(f"CROSS_COMPILE={cross}")
     if ccache:
@@ -385,25 +358,8 @@ def make_argv(src: Path, out: Path, arch: str, *targets: str, jobs: int | None =
     return argv + list(targets)
 
 
-def ccache_env() -> dict[str, str] | None:
-    """ccache keyed on preprocessed source, independent of the tree's path.
-
-    Every series edit gives a new source tree; ccache turns the rebuild
-    into recompiling only what the patches really changed.
-    """
-    if shutil.which("ccache") is None:
-        return None
-    cache = paths.cache_dir()
-    return {"CCACHE_DIR": str(cache / "ccache"), "CCACHE_BASEDIR": str(cache),
-            "CCACHE_NOHASHDIR": "1", "CCACHE_MAXSIZE": "8G"}
-
-
 def image_path(out: Path, arch: str) -> Path:
-    if arch == "um":
-        return out / "linux"
-    if arch == "arm64":
-        return out / "arch" / "arm64" / "boot" / "Image"
-    return out / "arch" / "x86" / "boot" / "bzImage"
+    return out / platforms.arch(arch).image
 
 
 def build(shell: Shell, spec: BuildSpec, series: Series | None = None) -> BuiltKernel:
@@ -427,33 +383,22 @@ def build(shell: Shell, spec: BuildSpec, series: Series | None = None) -> BuiltK
     # a direct child of its source tree: see applied_tree()
     out = tree_path(shell, series) / f"{spec.label}-{key}"
     image = image_path(out, spec.arch)
-    if shell.dry_run:
-        return _build_locked(shell, spec, series, out, image, key)
-    locks = paths.cache_dir() / "build"
-    locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"{out.name}.lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"build {spec.label}: waiting for another build of the same kernel", flush=True)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        return _build_locked(shell, spec, series, out, image, key)
+    cached = buildcache.Build(spec.label, "kernel", out, image,
+                              paths.cache_dir() / "build" / f"{out.name}.lock", out)
+
+    def make(src: Path, out: Path) -> bool:
+        assert out.parent == src, (out, src)
+        return _make(shell, spec, src, out, image)
+
+    buildcache.build_once(shell, cached, lambda: applied_tree(shell, series), make)
+    return BuiltKernel(spec, out, image, key)
 
 
-def _build_locked(shell: Shell, spec: BuildSpec, series: Series, out: Path, image: Path,
-                  key: str) -> BuiltKernel:
-    if (out / ".freepage-done").exists() and image.exists():
-        print(f"build {spec.label}: cached ({out})", flush=True)
-        return BuiltKernel(spec, out, image, key)
-    src = applied_tree(shell, series)
-    assert out.parent == src, (out, src)
-    if out.exists() and not shell.dry_run:
-        shutil.rmtree(out)
-    if not shell.dry_run:
-        out.mkdir(parents=True)
+def _make(shell: Shell, spec: BuildSpec, src: Path, out: Path, image: Path) -> bool:
+    """Configure and build into `out`; False on a dry run (nothing built)."""
     cenv = ccache_env()
     cc = cenv is not None
-    base_target = "defconfig" if spec.arch == "um" else "tinyconfig"
+    base_target = platforms.arch(spec.arch).base_config
     shell.run(make_argv(src, out, spec.arch, base_target, ccache=cc), env=cenv,
               log=out / "config.log", what=f"make {base_target}")
     fragments = spec.fragments()
@@ -475,7 +420,7 @@ def _build_locked(shell: Shell, spec: BuildSpec, series: Series, out: Path, imag
     argv = make_argv(src, out, spec.arch, jobs=jobs, ccache=cc)
     shell.show(argv)
     if shell.dry_run:
-        return BuiltKernel(spec, out, image, key)
+        return False
     start = time.monotonic()
     with open(log, "wb") as fh:
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
@@ -498,9 +443,7 @@ def _build_locked(shell: Shell, spec: BuildSpec, series: Series, out: Path, imag
                        + "\n".join(errors))
     if not image.exists():
         raise LabError(f"kernel build {spec.label} produced no {image}")
-    (out / ".freepage-done").write_text(f"{time.monotonic() - start:.1f}\n")
-    print(f"build {spec.label}: done in {time.monotonic() - start:.0f} s ({image})", flush=True)
-    return BuiltKernel(spec, out, image, key)
+    return True
 
 
 def _progress(label: str, log: Path, stop: threading.Event, start: float) -> None:

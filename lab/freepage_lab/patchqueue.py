@@ -4,18 +4,52 @@ pristine base (hard-linked, cached) and the git work tree to edit it in."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Self
 
 from .shell import LabError, Shell
 
-if TYPE_CHECKING:
-    from .kernel import Series
-
 APPLIED = ".freepage-applied"
+
+
+@dataclass(frozen=True)
+class Series:
+    """A `series` file's patches (<directory>/series), in order."""
+
+    directory: Path
+    names: tuple[str, ...]
+
+    @classmethod
+    def load(cls, directory: Path) -> Self:
+        series = directory / "series"
+        if not series.exists():
+            return cls(directory, ())
+        names = []
+        for raw in series.read_text().splitlines():
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            if not (directory / line).is_file():
+                raise LabError(f"{series}: lists {line}, which does not exist")
+            names.append(line)
+        return cls(directory, tuple(names))
+
+    @property
+    def files(self) -> list[Path]:
+        return [self.directory / n for n in self.names]
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for f in self.files:
+            h.update(f.name.encode() + b"\0")
+            h.update(f.read_bytes())
+        return h.hexdigest()
 
 
 def applied_tree(shell: Shell, base: Path, tree: Path, series: Series, what: str) -> Path:
@@ -54,7 +88,7 @@ def _apply(shell: Shell, base: Path, tree: Path, series: Series, what: str) -> N
 BASE_DATE = {"GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z"}
 
 
-def work_tree(shell: Shell, base: Path, dest: Path, groups: list[tuple[str, Series]],
+def work_tree(shell: Shell, base: Path, dest: Path, groups: Sequence[tuple[str, Series]],
               base_subject: str, what: str) -> None:
     """A git work tree at `dest`: base commit = pristine source, tagged
     freepage-base, then one commit per patch; each group of patches (a

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import kernel, kunit, paths
+from . import buildcache, kernel, kunit, paths, platforms
 from .shell import LabError, Shell, StageResult, timed
 
 ARCHES = ("um", "x86_64")
@@ -52,9 +52,9 @@ def touches_kunit(patch: Path) -> bool:
 
 def _configure(shell: Shell, src: Path, out: Path, arch: str, first: bool) -> None:
     spec = kernel.BuildSpec(arch)
-    cenv = kernel.ccache_env()
+    cenv = buildcache.ccache_env()
     if first:
-        base_target = "defconfig" if arch == "um" else "tinyconfig"
+        base_target = platforms.arch(arch).base_config
         shell.run(kernel.make_argv(src, out, arch, base_target, ccache=cenv is not None), env=cenv,
                   log=out / "config.log", what=f"make {base_target}")
     shell.run([src / "scripts" / "kconfig" / "merge_config.sh", "-m", "-O", out,
@@ -65,7 +65,7 @@ def _configure(shell: Shell, src: Path, out: Path, arch: str, first: bool) -> No
 
 
 def _make(shell: Shell, src: Path, out: Path, arch: str, label: str) -> None:
-    cenv = kernel.ccache_env()
+    cenv = buildcache.ccache_env()
     argv = kernel.make_argv(src, out, arch, jobs=os.cpu_count() or 2, ccache=cenv is not None)
     log = out / "build.log"
     try:

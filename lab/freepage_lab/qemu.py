@@ -8,7 +8,6 @@ same QEMU release with qemu/patches applied.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import re
@@ -16,12 +15,11 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import kernel, patchqueue, paths
-from .kernel import Series
+from . import buildcache, kernel, patchqueue, paths
+from .patchqueue import Series
 from .runners import QEMU_FIRMWARE_DIRS, STOCK_QEMU
 from .shell import LabError, Shell, StageResult, timed
 
@@ -226,38 +224,27 @@ def build(shell: Shell, series: Series | None = None,
     key = build_key(series)
     out = tree_path(series) / f"build-{key}"
     binary = out / BINARY_NAME
-    if shell.dry_run:
-        return _build_locked(shell, series, out, binary, key)
-    locks = cache_root() / "build"
-    locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"{key}.lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print("build qemu: waiting for another build of the same QEMU", flush=True)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        return _build_locked(shell, series, out, binary, key)
+    cached = buildcache.Build("qemu", "QEMU", out, binary,
+                              cache_root() / "build" / f"{key}.lock", binary)
+
+    def make(src: Path, out: Path) -> bool:
+        return _make(shell, series, src, out, binary)
+
+    buildcache.build_once(shell, cached, lambda: applied_tree(shell, series), make)
+    return BuiltQemu(out, binary, key)
 
 
-def _build_locked(shell: Shell, series: Series, out: Path, binary: Path, key: str) -> BuiltQemu:
-    if (out / ".freepage-done").exists() and binary.exists():
-        print(f"build qemu: cached ({binary})", flush=True)
-        return BuiltQemu(out, binary, key)
-    src = applied_tree(shell, series)
-    if out.exists() and not shell.dry_run:
-        shutil.rmtree(out)
-    if not shell.dry_run:
-        out.mkdir(parents=True)
-    env = kernel.ccache_env() or {}
+def _make(shell: Shell, series: Series, src: Path, out: Path, binary: Path) -> bool:
+    """Configure and build into `out`; False on a dry run (nothing built)."""
+    env = buildcache.ccache_env() or {}
     if env:
         env = {**env, "CC": "ccache gcc", "CXX": "ccache g++"}
-    start = time.monotonic()
     shell.run(configure_argv(src), cwd=out, env=env, log=out / "configure.log",
               what="configure QEMU")
     shell.run(["nice", "-n", "5", "ninja", "-C", out, BINARY_NAME], env=env,
               log=out / "build.log", what="build QEMU")
     if shell.dry_run:
-        return BuiltQemu(out, binary, key)
+        return False
     if not binary.exists():
         raise LabError(f"QEMU build produced no {binary}")
     # release tarballs do not build with -Werror: hold the series to it
@@ -266,10 +253,7 @@ def _build_locked(shell: Shell, series: Series, out: Path, binary: Path, key: st
     if warned:
         raise LabError("QEMU build: warnings in files the series touches:\n  "
                        + "\n  ".join(warned[:10]))
-    elapsed = time.monotonic() - start
-    (out / ".freepage-done").write_text(f"{elapsed:.1f}\n")
-    print(f"build qemu: done in {elapsed:.0f} s ({binary})", flush=True)
-    return BuiltQemu(out, binary, key)
+    return True
 
 
 # --------------------------------------------------------------------------

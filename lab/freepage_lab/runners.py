@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .guest import Guest
+from .platforms import PLATFORMS, platform
+from .procfs import allocated_bytes, anon_huge_bytes, deleted_file, rss_bytes
 from .shell import LabError, Shell
 
 
@@ -45,6 +47,33 @@ class GuestConfig:
     host_cpu: int | None = None
 
 
+# QEMU device property names, in one place: a renamed property is a
+# one-line change here (GuestConfig field -> property)
+BALLOON_PROPERTIES = {
+    "free_page_reporting": "free-page-reporting",
+    # feature bits 6 and 7 (qemu/patches): experimental (x-) while the
+    # virtio spec has not allocated the bits, whose numbers may change
+    "device_init_reported": "x-device-init-reported",
+    "device_init_on_inflate": "x-device-init-on-inflate",
+}
+HINT_PROPERTY = "free-page-hint"
+IOTHREAD_PROPERTY = "iothread"
+# the balloon's front-end for a vhost-user backend (qemu/patches): virtio
+# id 5, its queues and config fixed by QEMU
+VHOST_USER_DEVICE = "vhost-user-balloon-pci,chardev={chardev}"
+
+
+def balloon_device(driver: str, cfg: GuestConfig) -> str:
+    """-device value of a virtio balloon with the properties `cfg` turns on."""
+    dev = f"{driver},id=balloon0"
+    for field_name, prop in BALLOON_PROPERTIES.items():
+        if getattr(cfg, field_name):
+            dev += f",{prop}=on"
+    if cfg.free_page_hint:
+        dev += f",{HINT_PROPERTY}=on,{IOTHREAD_PROPERTY}=balloon-io"
+    return dev
+
+
 class Runner(ABC):
     name: str
 
@@ -67,30 +96,6 @@ class Runner(ABC):
         return Guest(name, self.argv(cfg), log, self.shell, interactive=interactive)
 
 
-def rss_bytes(pid: int) -> int | None:
-    """Resident set of one process from /proc (VmRSS); None once it has exited."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None  # a zombie has no VmRSS
-
-
-def anon_huge_bytes(pid: int) -> int | None:
-    """AnonHugePages of one process (/proc/<pid>/smaps_rollup); None once it has exited."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 class UmlRunner(Runner):
     """User-Mode Linux: the kernel is a host process; RAM is a (deleted) shared file."""
 
@@ -107,33 +112,7 @@ class UmlRunner(Runner):
 
     def footprint_bytes(self, guest: Guest) -> int | None:
         """Allocated blocks of UML's physical-memory file (held open, unlinked)."""
-        mem = uml_memory_file(guest.pid)
-        if mem is None:
-            return None
-        try:
-            return os.stat(mem).st_blocks * 512
-        except OSError:
-            return None
-
-
-def uml_memory_file(pid: int) -> str | None:
-    """The largest deleted regular file UML maps: its physical memory."""
-    best, best_size = None, -1
-    fd_dir = f"/proc/{pid}/fd"
-    try:
-        fds = os.listdir(fd_dir)
-    except OSError:
-        return None
-    for fd in fds:
-        path = f"{fd_dir}/{fd}"
-        try:
-            target = os.readlink(path)
-            st = os.stat(path)
-        except OSError:
-            continue
-        if target.endswith("(deleted)") and st.st_size > best_size:
-            best, best_size = path, st.st_size
-    return best
+        return allocated_bytes(deleted_file(guest.pid))
 
 
 def kvm_usable() -> tuple[bool, str]:
@@ -154,13 +133,8 @@ STOCK_QEMU = Path("qemu-system-x86_64")
 # would be relocated into the build's qemu-bundle/)
 QEMU_FIRMWARE_DIRS = (Path("/usr/share/qemu"), Path("/usr/share/seabios"),
                       Path("/usr/lib/ipxe/qemu"))
-# The virtio-balloon properties of qemu/patches for the proposed feature
-# bits 6 and 7: experimental (x-) while the virtio spec has not allocated
-# the bits, whose numbers may still change
-BALLOON_INIT_PROPS = {
-    "device_init_reported": "x-device-init-reported",
-    "device_init_on_inflate": "x-device-init-on-inflate",
-}
+# the properties of the proposed feature bits 6 and 7 alone
+BALLOON_INIT_PROPS = {k: v for k, v in BALLOON_PROPERTIES.items() if k != "free_page_reporting"}
 
 
 class QemuRunner(Runner):
@@ -211,21 +185,12 @@ class QemuRunner(Runner):
             argv += ["-qmp", f"unix:{cfg.qmp_socket},server=on,wait=off"]
         if cfg.incoming is not None:
             argv += ["-incoming", cfg.incoming]
-        return argv + cfg.extra_args
+        return argv + cfg.extra_args + (["-icount", PLATFORMS["qemu"].icount] if cfg.icount else [])
 
     @staticmethod
     def balloon_args(cfg: GuestConfig) -> list[str]:
-        argv = []
-        dev = "virtio-balloon-pci,id=balloon0"
-        if cfg.free_page_reporting:
-            dev += ",free-page-reporting=on"
-        for field_name, prop in BALLOON_INIT_PROPS.items():
-            if getattr(cfg, field_name):
-                dev += f",{prop}=on"
-        if cfg.free_page_hint:
-            argv += ["-object", "iothread,id=balloon-io"]
-            dev += ",free-page-hint=on,iothread=balloon-io"
-        return argv + ["-device", dev]
+        argv = ["-object", "iothread,id=balloon-io"] if cfg.free_page_hint else []
+        return argv + ["-device", balloon_device("virtio-balloon-pci", cfg)]
 
     @staticmethod
     def vhost_user_balloon_args(cfg: GuestConfig) -> list[str]:
@@ -233,7 +198,7 @@ class QemuRunner(Runner):
         vhost-user backend (virtio id 5, its queues and config fixed by QEMU)."""
         return ["-object", f"memory-backend-memfd,id=mem,size={cfg.mem_mib}M,share=on",
                 "-chardev", f"socket,id=vub,path={cfg.vhost_user_balloon}",
-                "-device", "vhost-user-balloon-pci,chardev=vub"]
+                "-device", VHOST_USER_DEVICE.format(chardev="vub")]
 
     def footprint_bytes(self, guest: Guest) -> int | None:
         return rss_bytes(guest.pid)
@@ -269,12 +234,9 @@ class Arm64Runner(Runner):
                 "-append", append, "-display", "none", "-monitor", "none",
                 "-serial", "stdio", "-no-reboot", "-nodefaults"]
         if cfg.icount:
-            argv += ["-icount", "shift=0"]
+            argv += ["-icount", PLATFORMS["arm64"].icount]
         if cfg.balloon:
-            dev = "virtio-balloon-device,id=balloon0"
-            if cfg.free_page_reporting:
-                dev += ",free-page-reporting=on"
-            argv += ["-device", dev]
+            argv += ["-device", balloon_device("virtio-balloon-device", cfg)]
         if cfg.qmp_socket is not None:
             argv += ["-qmp", f"unix:{cfg.qmp_socket},server=on,wait=off"]
         return argv + cfg.extra_args
@@ -283,20 +245,14 @@ class Arm64Runner(Runner):
         return rss_bytes(guest.pid)
 
 
-PLATFORMS = ("uml", "qemu", "arm64")
-# the kernel arch each platform boots
-PLATFORM_ARCH = {"uml": "um", "qemu": "x86_64", "arm64": "arm64"}
-
-
 def make_runner(name: str, shell: Shell, accel: str = "auto",
                 qemu_binary: Path = STOCK_QEMU) -> Runner:
-    if name == "uml":
+    kind = platform(name).runner
+    if kind == "uml":
         return UmlRunner(shell)
-    if name == "qemu":
+    if kind == "qemu":
         return QemuRunner(shell, accel, qemu_binary)
-    if name == "arm64":
-        return Arm64Runner(shell, "tcg" if accel == "auto" else accel)
-    raise LabError(f"unknown platform {name!r}: choose one of {', '.join(PLATFORMS)}")
+    return Arm64Runner(shell, "tcg" if accel == "auto" else accel)
 
 
 class Qmp:

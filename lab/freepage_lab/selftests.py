@@ -8,18 +8,17 @@ lets the environment turn eager splitting on
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 from pathlib import Path
 
-from . import kernel, paths
+from . import buildcache, kernel, paths, platforms
 from .shell import Shell
 
 # what the arm64 initramfs carries, relative to tools/testing/selftests/kvm
 PROGRAMS = ("dirty_log_perf_test", "dirty_log_test", "kvm_page_table_test",
             "aarch64/page_fault_test")
 ENV_PATCH = "selftests-eager-split-env.patch"
-CROSS = kernel.CROSS_COMPILE["arm64"]
+CROSS = platforms.arch("arm64").cross_compile
 
 
 def series() -> kernel.Series:
@@ -49,20 +48,17 @@ def build_argv(src: Path, out: Path, jobs: int = 2) -> list[str]:
 def build(shell: Shell) -> Path:
     """The directory holding PROGRAMS (cached)."""
     out = out_dir(shell)
-    if (out / ".freepage-done").exists():
-        return out / "kvm"
-    src = kernel.applied_tree(shell, series())
-    if shell.dry_run:
-        shell.run(headers_argv(src, out))
-        shell.run(build_argv(src, out))
-        return out / "kvm"
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / ".freepage-done").exists():
+    kvm = out / "kvm"
+    cached = buildcache.Build("KVM selftests", "selftests", out, kvm / PROGRAMS[0],
+                              out.with_suffix(".lock"), kvm)
+
+    def make(src: Path, out: Path) -> bool:
+        if not shell.dry_run:
             (out / "gen" / "tools").mkdir(parents=True, exist_ok=True)
-            shell.run(headers_argv(src, out), log=out / "headers.log",
-                      what="install arm64 uapi headers")
-            shell.run(build_argv(src, out), log=out / "build.log", what="build KVM selftests")
-            (out / ".freepage-done").write_text("ok\n")
-    return out / "kvm"
+        shell.run(headers_argv(src, out), log=out / "headers.log",
+                  what="install arm64 uapi headers")
+        shell.run(build_argv(src, out), log=out / "build.log", what="build KVM selftests")
+        return not shell.dry_run
+
+    buildcache.build_once(shell, cached, lambda: kernel.applied_tree(shell, series()), make)
+    return kvm

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from freepage_lab import kernel, paths
+from freepage_lab import harness, kernel, paths
 from freepage_lab.context import RunContext
-from freepage_lab.guest import GuestError, group_members
-from freepage_lab.runners import GuestConfig
+from freepage_lab.guest import GuestError
+from freepage_lab.procfs import group_members
 from freepage_lab.scenarios import reclaim
 from freepage_lab.shell import LabError, Shell
 
@@ -19,35 +19,29 @@ ls /sys/bus/virtio/drivers/virtio_balloon | grep -q virtio
 """
 
 
-def ctx_for(tmp_path: Path, platform: str) -> RunContext:
-    return RunContext(shell=Shell(), run_dir=tmp_path, platform=platform, accel="tcg")
+def boot(lab, ctx: RunContext, script: str, variant: harness.Variant, timeout: float = 120,
+         **plan) -> list[dict]:
+    """The populate records of a boot that exited 0 without a kernel warning."""
+    booted = lab.boot(ctx, f"test-{ctx.platform}", script, variant, timeout_s=timeout, **plan)
+    return booted.records("populate")
 
 
-def boot(ctx: RunContext, script: str, timeout: float = 120, **kw) -> tuple[int, list[dict]]:
-    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("t", script), **kw)
-    with ctx.runner().guest(f"test-{ctx.platform}", cfg, ctx.log("t")) as g:
-        rc = g.wait_exit(timeout)
-        return rc, g.json_records("populate")
-
-
-def test_uml_boots_and_hands_out_zeroed_memory(tmp_path):
-    ctx = ctx_for(tmp_path, "uml")
-    rc, recs = boot(ctx, CHECK_SCRIPT.replace("ls /sys", "true || ls /sys"), mem_mib=256)
-    assert rc == 0
+def test_uml_boots_and_hands_out_zeroed_memory(lab):
+    # no balloon on UML without a daemon
+    recs = boot(lab, lab.context("uml"), CHECK_SCRIPT.replace("ls /sys", "true || ls /sys"),
+                lab.BARE, mem_mib=256)
     assert [r["nonzero_bytes"] for r in recs] == [0, 0]
 
 
-def test_qemu_boots_with_balloon_bound_and_a_real_clock(tmp_path):
-    ctx = ctx_for(tmp_path, "qemu")
+def test_qemu_boots_with_balloon_bound_and_a_real_clock(lab):
     # jiffies lose ticks under TCG: guest-side timings would be fiction
     clock = "! grep -q jiffies /sys/devices/system/clocksource/clocksource0/current_clocksource\n"
-    rc, recs = boot(ctx, CHECK_SCRIPT + clock, mem_mib=512)
-    assert rc == 0
+    recs = boot(lab, lab.context("qemu"), CHECK_SCRIPT + clock, lab.PLAIN, mem_mib=512)
     assert [r["nonzero_bytes"] for r in recs] == [0, 0]
 
 
-def test_qemu_reclaim_gives_back_80_percent_within_30s(tmp_path):
-    ctx = ctx_for(tmp_path, "qemu")
+def test_qemu_reclaim_gives_back_80_percent_within_30s(lab):
+    ctx = lab.context("qemu")
     scen = reclaim.ReclaimScenario()
     params = scen.params({"repeat": "1", "settle_s": "30", "populate_mib": "512", "modes": "thp",
                          "variants": "context"})
@@ -62,27 +56,27 @@ def test_qemu_reclaim_gives_back_80_percent_within_30s(tmp_path):
     assert Path(out.plots[0]).stat().st_size > 0
 
 
-def test_panicking_guest_fails_precisely_and_leaves_nothing(tmp_path):
-    ctx = ctx_for(tmp_path, "qemu")
-    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("p", "true\n"), mem_mib=256,
-                      cmdline=["rdinit=/does-not-exist", "init=/does-not-exist"])
-    g = ctx.runner().guest("panic", cfg, ctx.log("panic"))
+def test_panicking_guest_fails_precisely_and_leaves_nothing(lab):
+    ctx = lab.context("qemu")
+    pids = []
     with pytest.raises(GuestError, match="Kernel panic"):
-        with g:
-            g.wait_exit(120)
-    assert group_members(g.pid) == []
+        with lab.start(ctx, "panic", "true\n", lab.PLAIN, mem_mib=256,
+                       cmdline=("rdinit=/does-not-exist", "init=/does-not-exist")) as run:
+            pids.append(run.guest.pid)
+            run.wait_exit(120)
+    assert pids and group_members(pids[0]) == []
 
 
-def test_hanging_guest_times_out_and_leaves_nothing(tmp_path):
-    ctx = ctx_for(tmp_path, "uml")
-    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("h", "sleep 600\n"), mem_mib=128)
-    g = ctx.runner().guest("hang", cfg, ctx.log("hang"))
+def test_hanging_guest_times_out_and_leaves_nothing(lab):
+    ctx = lab.context("uml")
+    pids = []
     with pytest.raises(GuestError, match="timed out") as exc:
-        with g:
-            g.wait_for("FREEPAGE-BOOTED", 60)
-            g.wait_exit(3)
+        with lab.start(ctx, "hang", "sleep 600\n", lab.BARE, mem_mib=128) as run:
+            pids.append(run.guest.pid)
+            run.guest.wait_for("FREEPAGE-BOOTED", 60)
+            run.wait_exit(3)
     assert "FREEPAGE-BOOTED" in str(exc.value)  # the console tail is part of the message
-    assert group_members(g.pid) == []
+    assert pids and group_members(pids[0]) == []
 
 
 def test_config_that_does_not_stick_is_a_precise_build_error(tmp_path, monkeypatch):

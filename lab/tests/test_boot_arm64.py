@@ -1,13 +1,8 @@
 """Real arm64 guests: KVM initialises (VHE, nVHE) and dirty_log_test passes, stock and series."""
 
-from pathlib import Path
-
 import pytest
 
 from freepage_lab import kunit
-from freepage_lab.context import RunContext
-from freepage_lab.runners import GuestConfig
-from freepage_lab.shell import Shell
 
 pytestmark = pytest.mark.slow
 
@@ -41,17 +36,14 @@ CASES = [("stock", "vhe", ("dirty-log",)), ("stock", "nvhe", ()),
 
 @pytest.mark.parametrize(("kernel", "kvm_mode", "log_modes"), CASES,
                          ids=[f"{k}-{m}" for k, m, _ in CASES])
-def test_arm64_kvm_initialises_and_dirty_log_test_passes(tmp_path: Path, kernel: str,
-                                                         kvm_mode: str,
+def test_arm64_kvm_initialises_and_dirty_log_test_passes(lab, kernel: str, kvm_mode: str,
                                                          log_modes: tuple[str, ...]) -> None:
-    ctx = RunContext(shell=Shell(), run_dir=tmp_path, platform="arm64",
-                     patched=kernel == "series")
-    cmdline = ["kvm-arm.mode=nvhe"] if kvm_mode == "nvhe" else []
-    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("t", script(kvm_mode, log_modes)),
-                      mem_mib=1536, smp=1, cmdline=cmdline, balloon=False)
-    with ctx.runner().guest(f"arm64-{kernel}-{kvm_mode}", cfg, ctx.log("t")) as g:
-        rc = g.wait_exit(600)
-        text = "\n".join(ln.text for ln in g.lines)
+    ctx = lab.context("arm64", accel="auto", patched=kernel == "series")
+    cmdline = ("kvm-arm.mode=nvhe",) if kvm_mode == "nvhe" else ()
+    with lab.start(ctx, f"arm64-{kernel}-{kvm_mode}", script(kvm_mode, log_modes), lab.BARE,
+                   initrd="t", mem_mib=1536, smp=1, cmdline=cmdline) as run:
+        rc = run.wait_exit(600)
+        text = "\n".join(run.booted.lines)
     assert rc == 0, text[-3000:]
     assert KVM_UP[kvm_mode] in text
     for mode in log_modes:

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from freepage_lab import harness, procfs
 from freepage_lab.initramfs import EVENT
 from freepage_lab.scenarios import churn, idle, pagefault
 from freepage_lab.shell import LabError
@@ -20,21 +21,21 @@ def console_records(name: str) -> list[dict]:
     return out
 
 
-def boot(variant: str, records: list[dict], vmm: churn.Usage | None = None,
+def boot(variant: str, records: list[dict], vmm: procfs.Usage | None = None,
          window_s: float = 12.2) -> churn.Boot:
     delta, delay = churn.reporting_delta(records)
-    return churn.Boot(variant, records, vmm or churn.Usage(90000, 6, 24.0),
-                      churn.Usage(0, 0, 0.6), window_s, delta, delay)
+    return churn.Boot(variant, records, vmm or procfs.Usage(90000, 6, 24.0),
+                      procfs.Usage(0, 0, 0.6), window_s, delta, delay)
 
 
 def test_proc_stat_counts_reaped_children_and_survives_odd_names():
     # comm with a space and a parenthesis, as /proc allows
     fields = ["S"] + ["0"] * 6 + ["100", "50", "3", "2", "250", "150", "40", "60"] + ["0"] * 30
     text = "4242 (linux (um) x) " + " ".join(fields)
-    u = churn.parse_proc_stat(text, clk_tck=100)
+    u = procfs.parse_proc_stat(text, clk_tck=100)
     assert (u.minflt, u.majflt) == (150, 5)
     assert u.cpu_s == pytest.approx(5.0)
-    assert (u - churn.Usage(50, 1, 1.0)).faults == 104
+    assert (u - procfs.Usage(50, 1, 1.0)).faults == 104
 
 
 def test_reporting_counters_are_deltas_and_the_delay_is_the_one_after():
@@ -80,9 +81,9 @@ def test_summary_ratios_are_to_stock():
 
 
 def test_rotation_puts_every_variant_first_once():
-    firsts = {churn.rotation(churn.VARIANTS, r)[0] for r in range(4)}
+    firsts = {harness.order(churn.VARIANTS, r, rotate=True)[0] for r in range(4)}
     assert firsts == set(churn.VARIANTS)
-    assert sorted(churn.rotation(churn.VARIANTS, 3)) == sorted(churn.VARIANTS)
+    assert sorted(harness.order(churn.VARIANTS, 3, rotate=True)) == sorted(churn.VARIANTS)
 
 
 def test_scripts_settle_then_mark_the_measured_window():
@@ -107,7 +108,7 @@ def test_idle_busy_time_and_percentages():
              "current_delay_ms": 100, "delay_ms": 100}]
     # iowait (5 ticks) is idle time, not busy
     assert idle.guest_busy_s(recs) == pytest.approx(0.04)
-    b = idle.idle_boot(boot("freepage", recs, churn.Usage(0, 0, 0.3), window_s=60.0))
+    b = idle.idle_boot(boot("freepage", recs, procfs.Usage(0, 0, 0.3), window_s=60.0))
     assert b.guest_busy_pct == pytest.approx(0.04 / 60 * 100)
     assert b.reporting_pct == 0.0 and b.passes == 0
     assert b.host_vmm_pct == pytest.approx(0.9 / 60 * 100)

@@ -2,18 +2,19 @@
 
 import pytest
 
-from freepage_lab.context import RunContext
+from freepage_lab import harness
 from freepage_lab.scenarios import churn
-from freepage_lab.shell import Shell
 
 pytestmark = pytest.mark.slow
 
 
-def test_uml_churn_prints_its_line_and_the_host_sees_faults(tmp_path):
-    ctx = RunContext(shell=Shell(), run_dir=tmp_path, platform="uml")
+def test_uml_churn_prints_its_line_and_the_host_sees_faults(lab):
+    ctx = lab.context("uml", accel="auto")
     p = churn.ChurnParams(mem_mib=256, churn_mib=16, iterations=2, settle_s=1)
-    boot = churn.boot_variant(ctx, "stock", "t", "t", churn.churn_script(p), p.mem_mib, 60)
-    assert boot is not None
+    booted = harness.boot(ctx, harness.family("reporting")["stock"], "t",
+                          churn.plan(churn.churn_script(p), "t", p.mem_mib, 60))
+    assert booted is not None
+    boot = churn.measure(booted)
     b = churn.churn_boot(boot)
     rec = next(r for r in boot.records if r["prog"] == "churn")
     assert rec["iterations"] == 2 and all(ms > 0 for ms in rec["alloc_ms"])

@@ -37,12 +37,13 @@ def test_quick_dry_run_shows_both_sides(capsys, tmp_path, monkeypatch):
 def test_no_zeroing_bit_without_the_reporting_queue(tmp_path):
     """QEMU refuses x-device-init-reported on a balloon without free page
     reporting (realloc's 'backed' guests)."""
+    from freepage_lab import harness
     from freepage_lab.context import RunContext
-    from freepage_lab.runners import GuestConfig
     from freepage_lab.shell import Shell
 
     ctx = RunContext(shell=Shell(dry_run=True), run_dir=tmp_path, accel="tcg", patched=True,
                      patched_qemu=True)
-    cfg = GuestConfig(kernel=tmp_path / "k", initrd=tmp_path / "i", free_page_reporting=False)
-    argv = " ".join(ctx.balloon_runner(cfg).argv(cfg))
+    backed = harness.family("realloc")["backed"]
+    cfg = harness.guest_config(ctx, backed, "backed", harness.Plan("true\n"))
+    argv = " ".join(harness.runner(ctx, backed).argv(cfg))
     assert "device-init-reported" not in argv and "x-device-init-on-inflate=on" in argv

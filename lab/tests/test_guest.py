@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from freepage_lab.guest import Guest, GuestError, group_members
+from freepage_lab.guest import Guest, GuestError
+from freepage_lab.procfs import group_members
 from freepage_lab.shell import Shell
 
 DATA = Path(__file__).parent / "data"

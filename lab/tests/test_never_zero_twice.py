@@ -1,15 +1,11 @@
 """The kernel series on real guests: KUnit on UML, verified populates on QEMU and UML."""
 
 import time
-from pathlib import Path
 
 import pytest
 
-from freepage_lab import kernel, knobs, kunit
-from freepage_lab.context import RunContext
-from freepage_lab.runners import GuestConfig
+from freepage_lab import guestshell, harness, kernel, kunit
 from freepage_lab.scenarios import zeroskip
-from freepage_lab.shell import Shell
 
 pytestmark = [
     pytest.mark.slow,
@@ -17,35 +13,29 @@ pytestmark = [
 ]
 
 
-def ctx_for(tmp_path: Path, platform: str) -> RunContext:
-    return RunContext(shell=Shell(), run_dir=tmp_path, platform=platform, accel="tcg",
-                      patched=True)
-
-
 @pytest.mark.parametrize("cmdline", [[], ["init_on_free=1"]], ids=["default", "init_on_free"])
-def test_kunit_suites_pass_on_uml(tmp_path, cmdline):
+def test_kunit_suites_pass_on_uml(lab, cmdline):
     """The suite holds whether free pages are zeroed by init_on_free or not."""
-    ctx = ctx_for(tmp_path, "uml")
-    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("k", "true\n"), mem_mib=256,
-                      cmdline=cmdline)
-    with ctx.runner().guest("kunit", cfg, ctx.log("kunit")) as g:
-        assert g.wait_exit(300) == 0
-        res = kunit.parse([ln.text for ln in g.lines])
+    ctx = lab.context("uml", patched=True)
+    booted = lab.boot(ctx, "kunit", "true\n", lab.BARE, initrd="k", mem_mib=256,
+                      cmdline=tuple(cmdline), timeout_s=300)
+    res = kunit.parse(booted.lines)
     assert "page_zeroed" in res.suites, res.suites
     assert res.ok, (res.failed, res.suites)
     assert res.suites["page_zeroed"]["pass"] >= 10, res.suites
     # a case that skips in the configuration the lab builds proves nothing
     assert not res.skipped, res.skipped
-    # the debug check counts what the suite does on purpose instead of warning
-    assert not [ln.text for ln in g.lines if "WARNING" in ln.text or "Bad page" in ln.text]
+    # the debug check counts what the suite does on purpose instead of warning,
+    # also before boot (the harness looks only after it)
+    assert not [t for t in booted.lines if "WARNING" in t or "Bad page" in t]
 
 
-def test_gigantic_hugetlb_pages_with_init_on_free(tmp_path):
+def test_gigantic_hugetlb_pages_with_init_on_free(lab):
     """init_on_free marks every free page zero; a 1 GiB page is assembled from
     many such chunks. Allocate, fault, verify and free one, twice: a chunk that
     kept its zeroed state shows up as a bad page on the free, a range cleared
     on the first chunk's word as non-zero bytes (debug checks on)."""
-    ctx = ctx_for(tmp_path, "qemu")
+    ctx = lab.context("qemu", patched=True)
     h = "/sys/kernel/mm/hugepages/hugepages-1048576kB"
     script = f"""[ -d {h} ] || {{ echo 'no 1 GiB huge page size' >&2; exit 3; }}
 for round in 1 2; do
@@ -62,48 +52,39 @@ for round in 1 2; do
 done
 grep -E '^pgzero_' /proc/vmstat
 """
-    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("gigantic", script),
-                      mem_mib=3072, cmdline=["init_on_free=1"], balloon=False)
-    with ctx.runner().guest("gigantic", cfg, ctx.log("gigantic")) as g:
-        rc = g.wait_exit(600)
-        text = [ln.text for ln in g.lines]
-    assert rc == 0, text[-20:]
+    booted = lab.boot(ctx, "gigantic", script, lab.BARE, mem_mib=3072,
+                      cmdline=("init_on_free=1",))
+    text = booted.lines
     assert not [t for t in text if "Bad page" in t or "WARNING" in t], text
-    runs = [r for r in g.json_records("populate")]
+    runs = booted.records("populate")
     assert [r["nonzero_bytes"] for r in runs] == [0, 0], runs
     marked = [t for t in text if t.startswith("pgzero_marked_init_on_free ")]
     assert marked and int(marked[0].split()[1]) > 0, "init_on_free marked nothing zero"
 
 
-def test_device_init_bit_refused_with_page_poisoning(tmp_path):
+def test_device_init_bit_refused_with_page_poisoning(lab):
     """Bit 6 (DEVICE_INIT_REPORTED) is negotiated on a plain boot and refused
     when pages are poisoned: a page the device zeroes is not a poisoned page."""
-    from freepage_lab.backend import BalloonBackend
-
-    ctx = RunContext(shell=Shell(), run_dir=tmp_path, platform="uml", patched=True,
-                     variant="debug")
-    bit = knobs.BIT_DEVICE_INIT_REPORTED
-    script = f"""f={knobs.BALLOON_FEATURES}
+    ctx = lab.context("uml", patched=True, variant="debug")
+    bit = guestshell.BIT_DEVICE_INIT_REPORTED
+    script = f"""f={guestshell.BALLOON_FEATURES}
 echo "features $f"
 """
     seen = {}
-    for name, cmdline in (("plain", []), ("poison", ["page_poison=1"])):
-        backend = BalloonBackend(ctx.shell, tmp_path / f"{name}.sock", ctx.log(f"{name}-b"),
-                                 [])
-        cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd(name, script), mem_mib=256,
-                          cmdline=cmdline, vhost_user_balloon=backend.socket)
-        with backend, ctx.runner().guest(name, cfg, ctx.log(name)) as g:
-            assert g.wait_exit(120) == 0
-            line = next(ln.text for ln in g.lines if ln.text.startswith("features "))
+    for name, cmdline in (("plain", ()), ("poison", ("page_poison=1",))):
+        # the daemon offers bits 6 and 7
+        booted = lab.boot(ctx, name, script, lab.OFFERED, mem_mib=256, cmdline=cmdline,
+                          timeout_s=120)
+        line = next(t for t in booted.lines if t.startswith("features "))
         seen[name] = line.split()[1]
     assert seen["plain"][bit] == "1", seen
     assert seen["poison"][bit] == "0", seen
 
 
 @pytest.mark.parametrize("platform", ["qemu", "uml"])
-def test_reported_memory_reads_zero_and_zeroing_is_skipped(tmp_path, platform):
+def test_reported_memory_reads_zero_and_zeroing_is_skipped(lab, platform):
     """Debug verification on: every page handed out as known zero is checked."""
-    ctx = ctx_for(tmp_path, platform)
+    ctx = lab.context(platform, patched=True)
     scen = zeroskip.Zeroskip()
     params = scen.params({"variants": "on", "rounds": "1", "repeat": "1",
                           "pcp_high_fraction": "1000" if platform == "uml" else "0"})
@@ -112,7 +93,7 @@ def test_reported_memory_reads_zero_and_zeroing_is_skipped(tmp_path, platform):
         assert entry["on"]["pgzero_skipped"] > 0, (mode, out.table)
 
 
-def test_deflated_pages_are_known_zero_under_bit_7(tmp_path):
+def test_deflated_pages_are_known_zero_under_bit_7(lab):
     """UML + vhost-user-balloon offering bit 7 (DEVICE_INIT_ON_INFLATE): inflate
     dirty memory, deflate it, and the deflated pages come back marked zero
     (the device set their bits in the inflate bitmap) and read as zero.
@@ -131,11 +112,9 @@ def test_deflated_pages_are_known_zero_under_bit_7(tmp_path):
     pages this way, which would make the test flaky; see "Deflated pages and
     merges" in docs/results/never-zero-twice.md.
     """
-    from freepage_lab.backend import BalloonBackend
     from freepage_lab.initramfs import EVENT
 
-    ctx = RunContext(shell=Shell(), run_dir=tmp_path, platform="uml", patched=True,
-                     variant="debug")
+    ctx = lab.context("uml", patched=True, variant="debug")
     pages = 16384  # 64 MiB
     vmstat = ("grep -E '^pgzero_(marked_freed|merge_lost|skipped|missed|verify_failed) '"
               " /proc/vmstat | tr '\\n' ' '")
@@ -155,11 +134,11 @@ free_mib=$(awk '/^MemFree:/{{print int($2 / 1024)}}' /proc/meminfo)
 populate --mib $((free_mib - 24)) --mode 4k --verify --tag measure
 echo "{EVENT} populated $({vmstat})"
 """
-    backend = BalloonBackend(ctx.shell, tmp_path / "balloon.sock", ctx.log("backend"),
-                             ["--no-reporting"])
-    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("deflate", script), mem_mib=512,
-                      vhost_user_balloon=backend.socket)
-    with backend, ctx.runner().guest("deflate", cfg, ctx.log("deflate")) as g:
+    # the daemon offers bit 7 and does not report
+    variant = harness.Variant("deflate", reporting=False, zeroing=None)
+    with lab.start(ctx, "deflate", script, variant, mem_mib=512) as run:
+        g, backend = run.guest, run.backend
+        assert backend is not None
         g.wait_for(rf"^{EVENT} warmed", 60)
         assert backend.request({"cmd": "set_target", "pages": pages})["ok"]
         t0 = time.monotonic()
@@ -167,7 +146,7 @@ echo "{EVENT} populated $({vmstat})"
             assert time.monotonic() - t0 < 60, "inflate did not complete in 60 s"
             time.sleep(0.1)
         assert backend.request({"cmd": "set_target", "pages": 0})["ok"]
-        assert g.wait_exit(120) == 0
+        assert run.wait_exit(120) == 0
         state = backend.request({"cmd": "get_counters"})
     names = state["features"]["negotiated_names"]
     assert "DEVICE_INIT_ON_INFLATE" in names, names
@@ -193,7 +172,7 @@ echo "{EVENT} populated $({vmstat})"
     assert not [ln.text for ln in g.lines if "WARNING" in ln.text]
 
 
-def test_power_off_with_a_report_in_flight(tmp_path):
+def test_power_off_with_a_report_in_flight(lab):
     """virtio_dev_shutdown() breaks the balloon's queues at power-off: a
     report the device has not acknowledged yet must not hang the machine.
 
@@ -203,20 +182,16 @@ def test_power_off_with_a_report_in_flight(tmp_path):
     broken and reset device, UML hung in page_reporting_unregister() and the
     test failed with "printed its exit marker but did not power off".
     """
-    from freepage_lab.backend import BalloonBackend
-
-    ctx = ctx_for(tmp_path, "uml")
-    script = f"""echo 1 > {knobs.FLUSH} &
+    ctx = lab.context("uml", patched=True)
+    script = f"""echo 1 > {guestshell.FLUSH} &
 sleep 1
 [ -d /proc/$! ] || {{ echo 'the flush did not wait for the device' >&2; exit 3; }}
 echo 'report in flight: powering off'
 """
-    backend = BalloonBackend(ctx.shell, tmp_path / "balloon.sock", ctx.log("backend"),
-                             ["--discard-delay-ms", "3000"])
-    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("poweroff", script),
-                      mem_mib=512, vhost_user_balloon=backend.socket)
-    with backend, ctx.runner().guest("poweroff", cfg, ctx.log("poweroff")) as g:
-        assert g.wait_exit(120) == 0  # raises when the guest does not power off
-        text = [ln.text for ln in g.lines]
+    # the daemon holds every discard for 3 s
+    variant = harness.Variant("slow-discards", zeroing=None,
+                              daemon_args=("--discard-delay-ms", "3000"))
+    # raises when the guest does not power off
+    text = lab.boot(ctx, "poweroff", script, variant, mem_mib=512, timeout_s=120).lines
     assert "report in flight: powering off" in text, text[-20:]
     assert not [t for t in text if "WARNING" in t or "BUG" in t], text

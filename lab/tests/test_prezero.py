@@ -12,17 +12,15 @@ hold up to an eighth of the zone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 from freepage_lab import kernel, kunit
-from freepage_lab.context import RunContext
+from freepage_lab.guestshell import PREZERO_DIR
+from freepage_lab.guestshell import prezero_helpers as shell_helpers
+from freepage_lab.harness import kernel_warnings as warnings_in
 from freepage_lab.initramfs import EVENT
-from freepage_lab.runners import GuestConfig
-from freepage_lab.scenarios import kernel_warnings
-from freepage_lab.scenarios.prezero import PREZERO_DIR, delta, parse_events, shell_helpers
-from freepage_lab.shell import Shell
+from freepage_lab.scenarios.prezero import delta, parse_events
 
 pytestmark = [
     pytest.mark.slow,
@@ -66,13 +64,12 @@ class Run:
     populates: list[dict]
 
 
-def boot(tmp_path: Path, enable: bool) -> Run:
-    ctx = RunContext(shell=Shell(), run_dir=tmp_path, platform="uml", patched=True)
-    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("prezero", script(enable)),
-                      mem_mib=1024, balloon=False)
-    with ctx.runner().guest("prezero", cfg, ctx.log("prezero")) as g:
-        rc = g.wait_exit(600)
-    return Run(rc, [ln.text for ln in g.lines], kernel_warnings(g), g.json_records("populate"))
+def boot(lab, enable: bool) -> Run:
+    ctx = lab.context("uml", patched=True)
+    with lab.start(ctx, "prezero", script(enable), lab.BARE, mem_mib=1024) as run:
+        rc = run.wait_exit(600)
+    lines = run.booted.lines
+    return Run(rc, lines, warnings_in(lines), run.booted.records("populate"))
 
 
 def check(run: Run) -> dict[str, int]:
@@ -107,8 +104,8 @@ def check(run: Run) -> dict[str, int]:
             **{f"measure.{k}": v for k, v in used.items()}}
 
 
-def test_prezeroed_pages_are_consumed_and_verified_zero(tmp_path):
-    counts = check(boot(tmp_path, enable=True))
+def test_prezeroed_pages_are_consumed_and_verified_zero(lab):
+    counts = check(boot(lab, enable=True))
     print(counts)
 
 
@@ -139,7 +136,7 @@ echo 0 > {PREZERO_DIR}/enabled
 """
 
 
-def test_hugetlb_pool_is_prezeroed_and_verified_zero_on_qemu(tmp_path):
+def test_hugetlb_pool_is_prezeroed_and_verified_zero_on_qemu(lab):
     """The hugetlb pool variant on x86 (UML has no hugetlb), at cpu_percent
     100: every dirty folio of the pool is cleared once, counted once, and a
     populate that consumes the pool reads zero with the debug check on. A
@@ -154,22 +151,17 @@ def test_hugetlb_pool_is_prezeroed_and_verified_zero_on_qemu(tmp_path):
     populate used and freed must still be cleared again. The zones stay
     out of it: with a reporting balloon, pre-zeroing takes only orders
     below the reporting order, and min_order is set above it."""
-    ctx = RunContext(shell=Shell(), run_dir=tmp_path, platform="qemu", accel="tcg",
-                     patched=True)
-    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("prezero-hugetlb", hugetlb_script()),
-                      mem_mib=1024, balloon=True)
-    with ctx.runner().guest("prezero-hugetlb", cfg, ctx.log("prezero-hugetlb")) as g:
-        rc = g.wait_exit(600)
-        lines = [ln.text for ln in g.lines]
-    assert rc == 0, lines[-20:]
-    assert not kernel_warnings(g), kernel_warnings(g)
+    ctx = lab.context("qemu", patched=True)
+    # a reporting balloon: the zones stay out of it (see above)
+    booted = lab.boot(ctx, "prezero-hugetlb", hugetlb_script(), lab.PLAIN, mem_mib=1024)
+    lines = booted.lines
     events = parse_events(lines)
     warm = delta(events, "all", "dirtied", "warm")
     used = delta(events, "all", "warm", "measured")
     pool = HUGE_PAGES * 512
     # each dirty folio cleared once; none counted twice or by garbage
     assert warm["pgzero_prezero_hugetlb"] == pool, warm
-    measured = [r for r in g.json_records("populate") if r["tag"] == "measure"]
+    measured = [r for r in booted.records("populate") if r["tag"] == "measure"]
     assert len(measured) == 1 and measured[0]["verified"], measured
     assert measured[0]["nonzero_bytes"] == 0, measured
     assert delta(events, "all", "start", "measured")["pgzero_verify_failed"] == 0
@@ -185,7 +177,7 @@ def test_hugetlb_pool_is_prezeroed_and_verified_zero_on_qemu(tmp_path):
 IDLE_S = 10
 
 
-def test_idle_thread_does_not_rescan_unchanged_free_lists(tmp_path):
+def test_idle_thread_does_not_rescan_unchanged_free_lists(lab):
     """Once kprezerod has nothing left to clear, it must not walk the free
     lists (zone lock, interrupts off) every second while nothing moves; and
     a free must still wake it up.
@@ -209,15 +201,8 @@ prezero_wait 60 all
 echo "{EVENT} refill marked $(( $({marked}) - m0 ))"
 echo 0 > {PREZERO_DIR}/enabled
 """
-    ctx = RunContext(shell=Shell(), run_dir=tmp_path, platform="uml", patched=True)
-    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("prezero-idle", script),
-                      mem_mib=512, balloon=False)
-    with ctx.runner().guest("prezero-idle", cfg, ctx.log("prezero-idle")) as g:
-        rc = g.wait_exit(300)
-        lines = [ln.text for ln in g.lines]
-        warnings = kernel_warnings(g)
-    assert rc == 0, lines[-20:]
-    assert not warnings, warnings
+    ctx = lab.context("uml", patched=True)
+    lines = lab.boot(ctx, "prezero-idle", script, lab.BARE, mem_mib=512, timeout_s=300).lines
     found = {ln.split()[1]: int(ln.split()[3]) for ln in lines
              if ln.startswith(f"{EVENT} ") and len(ln.split()) == 4}
     assert "idle" in found and "refill" in found, lines[-20:]
@@ -226,7 +211,7 @@ echo 0 > {PREZERO_DIR}/enabled
     assert found["refill"] >= 64 * 256 * 9 // 10, found
 
 
-def test_prezero_stays_inside_its_cpu_cap_on_qemu(tmp_path):
+def test_prezero_stays_inside_its_cpu_cap_on_qemu(lab):
     """kprezerod at cpu_percent=5, with dirty memory left over at the end of
     every window: the scheduler's own runtime of the thread
     (/proc/<pid>/schedstat, bench kernel, QEMU icount) must stay within 5% of
@@ -238,8 +223,7 @@ def test_prezero_stays_inside_its_cpu_cap_on_qemu(tmp_path):
     """
     from freepage_lab.scenarios import prezero_cpu
 
-    ctx = RunContext(shell=Shell(), run_dir=tmp_path, platform="qemu", accel="tcg",
-                     patched=True, extra_fragments=("bench.config",))
+    ctx = lab.context("qemu", patched=True, extra_fragments=("bench.config",))
     scen = prezero_cpu.PrezeroCpu()
     params = scen.params({"caps": "5", "repeat": "3", "pool_mib": "512", "mem_mib": "1024"})
     out = scen.run(ctx, params)

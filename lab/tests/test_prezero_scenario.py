@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from freepage_lab import cli
+from freepage_lab import cli, guestshell
 from freepage_lab.initramfs import EVENT
 from freepage_lab.scenarios import prezero, prezero_cost, prezero_cpu, prezero_footprint
 from freepage_lab.shell import LabError, Shell
@@ -37,7 +37,7 @@ def test_guest_script_dirties_waits_then_measures(variant):
 
 
 def test_wait_helper_stops_when_counters_stand_still():
-    helpers = prezero.shell_helpers(stable_s=2)
+    helpers = guestshell.prezero_helpers(stable_s=2)
     sh_syntax_ok(helpers)
     assert "[ $stable -lt 2 ]" in helpers and "-lt 256 ]" in helpers
     assert "pgzero_(marked_prezero|prezero_hugetlb)" in helpers
@@ -83,7 +83,7 @@ def test_summary_has_ratios_and_the_unconsumed_share(tmp_path):
 
 
 def test_params_are_checked():
-    with pytest.raises(LabError, match="UML has no thp"):
+    with pytest.raises(LabError, match="uml has no thp"):
         prezero.check_params(prezero.PrezeroParams(modes=("thp",)), "uml")
     with pytest.raises(LabError, match="unknown mode"):
         prezero.check_params(prezero.PrezeroParams(modes=("kzero11",)), "qemu")

@@ -42,11 +42,10 @@ from pathlib import Path
 
 import pytest
 
-from freepage_lab import kernel, knobs, qemu
-from freepage_lab.context import RunContext
+from freepage_lab import guestshell, harness, kernel, qemu
 from freepage_lab.guest import Guest
 from freepage_lab.initramfs import BOOTED, EVENT
-from freepage_lab.runners import STOCK_QEMU, GuestConfig, QemuRunner, Qmp
+from freepage_lab.runners import STOCK_QEMU, QemuRunner, Qmp
 from freepage_lab.scenarios.migrate import free_port
 from freepage_lab.shell import Shell
 
@@ -66,45 +65,42 @@ DMESG = "FREEPAGE-DMESG"
 CMDLINE = ["kunit.enable=0"]
 
 
-@dataclass
-class Plan:
-    mem_mib: int = 1024
-    fill_mib: int = 600
-    verify_mib: int = 800
-    bandwidth_mib_s: int = 30
-    # keeps the migration from converging until the guest has freed its data
-    churn_mib: int = 8
+# the guest, the data it frees mid-migration, the populates that verify
+MEM_MIB, FILL_MIB, VERIFY_MIB = 1024, 600, 800
+BANDWIDTH_MIB_S = 30
+# keeps the migration from converging until the guest has freed its data
+CHURN_MIB = 8
 
 
 def vmstat(name: str) -> str:
     return f"awk '/^{name} /{{print $2}}' /proc/vmstat"
 
 
-def guest_script(p: Plan, report: bool = True) -> str:
+def guest_script(report: bool = True) -> str:
     """Fill, wait for the host, free (+ report), wait for the host, verify."""
     balloon = ("for d in /sys/bus/virtio/devices/*; do "
                "[ \"$(cat $d/device)\" = 0x0005 ] && echo ${d##*/}; done | head -1")
     marked = vmstat("pgzero_marked_reported")
-    features = knobs.VIRTIO_FEATURES.format(dev="$dev")
+    features = guestshell.VIRTIO_FEATURES.format(dev="$dev")
     free = [
         # before the free: the series' own pass may report it before the flush
         f"m0=$({marked})",
         "rm /tmp/fill",
-        knobs.flush_cmd(),
+        guestshell.flush_cmd(),
         f"m1=$({marked})",
         f"echo \"{EVENT} freed marked_reported=$((m1 - m0))\"",
     ] if report else ["rm /tmp/fill", f"echo \"{EVENT} freed\""]
     return "\n".join([
         "echo 1000 > /proc/sys/vm/percpu_pagelist_high_fraction",
         "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled",
-        f"mount -o remount,size={p.fill_mib + 64}m /tmp",
+        f"mount -o remount,size={FILL_MIB + 64}m /tmp",
         f"dev=$({balloon})",
         f"echo \"{EVENT} features $(cat {features})\"",
         # tr is slow under TCG: make 8 MiB with it, and the rest with cat
         "head -c 8388608 /dev/zero | tr '\\000' '\\245' > /tmp/chunk",
-        f"cat $(yes /tmp/chunk | head -n {p.fill_mib // 8}) > /tmp/fill",
+        f"cat $(yes /tmp/chunk | head -n {FILL_MIB // 8}) > /tmp/fill",
         "rm /tmp/chunk",
-        f"dirty --mib {p.churn_mib} --pace-ms 100 > /dev/null &",
+        f"dirty --mib {CHURN_MIB} --pace-ms 100 > /dev/null &",
         "churn=$!",
         f"echo \"{EVENT} filled\"",
         "read go",
@@ -113,8 +109,8 @@ def guest_script(p: Plan, report: bool = True) -> str:
         "kill $churn; wait $churn || true",
         f"echo \"{EVENT} verify marked_freed=$({vmstat('pgzero_marked_freed')})\"",
         # exit 1 = non-zero bytes: the host reads the count from the JSON line
-        f"populate --mib {p.verify_mib} --mode 4k --verify --tag dst-4k || [ $? -eq 1 ]",
-        f"populate --mib {p.verify_mib} --mode thp --verify --tag dst-thp || [ $? -eq 1 ]",
+        f"populate --mib {VERIFY_MIB} --mode 4k --verify --tag dst-4k || [ $? -eq 1 ]",
+        f"populate --mib {VERIFY_MIB} --mode thp --verify --tag dst-thp || [ $? -eq 1 ]",
         f"echo \"{EVENT} vmstat $(grep -E '^pgzero_' /proc/vmstat | tr ' \\n' '= ')\"",
         # warnings print below the console's loglevel: show them from the log
         f"dmesg | grep -E 'WARNING:|BUG:|page_zeroed:' | sed 's/^/{DMESG} /' || true",
@@ -206,23 +202,18 @@ class Outcome:
         return len(self.features) > n and self.features[n] == "1"
 
 
-def migrate_while_freeing(tmp_path: Path, plan: Plan, report: bool,
-                          inflate_mib: int = 0, **device: bool) -> Outcome:
-    """Boot, fill, migrate; free (and inflate) mid-migration; verify on the destination."""
-    shell = Shell()
-    ctx = RunContext(shell=shell, run_dir=tmp_path, platform="qemu", accel="tcg", patched=True)
-    runner = QemuRunner(shell, "tcg", qemu_binary(shell))
-    cmdline = CMDLINE
-    initrd = ctx.initrd("migrate-zero", guest_script(plan, report))
+def migrate_while_freeing(lab, report: bool, inflate_mib: int = 0,
+                          **device: bool) -> Outcome:
+    """Boot, fill, migrate; free (and inflate) mid-migration; verify on the destination.
+    `device`: the balloon's bits (GuestConfig fields), as the test asks."""
+    tmp_path = lab.tmp_path
+    ctx = lab.context("qemu", patched=True)
+    runner = QemuRunner(ctx.shell, "tcg", qemu_binary(ctx.shell))
     port = free_port()
-    common = dict(kernel=ctx.kernel(), initrd=initrd, mem_mib=plan.mem_mib, cmdline=cmdline,
-                  free_page_reporting=report, **device)
-    src_cfg = GuestConfig(**common, qmp_socket=tmp_path / "src.qmp")  # type: ignore[arg-type]
-    # -S: the destination stays paused after the migration, for the compare
-    dst_cfg = GuestConfig(**common, qmp_socket=tmp_path / "dst.qmp",  # type: ignore[arg-type]
-                          incoming=f"tcp:127.0.0.1:{port}", extra_args=["-S"])
-    src = runner.guest("src", src_cfg, ctx.log("src"), interactive=True)
-    dst = runner.guest("dst", dst_cfg, ctx.log("dst"), interactive=True)
+    variant = harness.Variant("migrate", reporting=report)
+    boot = dict(initrd="migrate-zero", mem_mib=MEM_MIB, cmdline=tuple(CMDLINE),
+                interactive=True, run_with=runner)
+    script = guest_script(report)
     t0 = time.monotonic()
     events: dict[str, dict[str, int]] = {}
 
@@ -231,14 +222,21 @@ def migrate_while_freeing(tmp_path: Path, plan: Plan, report: bool,
         events[name] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line.text)}
         print(f"[{time.monotonic() - t0:5.0f} s] {line.text}", flush=True)
 
-    with src, dst:
+    # -S: the destination stays paused after the migration, for the compare
+    with lab.start(ctx, "src", script, variant, **boot,
+                   overrides=dict(device, qmp_socket=tmp_path / "src.qmp")) as src_run, \
+            lab.start(ctx, "dst", script, variant, **boot,
+                      extra_args=("-S",),
+                      overrides=dict(device, qmp_socket=tmp_path / "dst.qmp",
+                                     incoming=f"tcp:127.0.0.1:{port}")) as dst_run:
+        src, dst = src_run.guest, dst_run.guest
         _, _, m = src.wait_for(rf"^{EVENT} features ([01]+)", 120)
         features = m.group(1)
         event(src, "filled", 300)
         qs, qd = Qmp(tmp_path / "src.qmp"), Qmp(tmp_path / "dst.qmp")
         try:
             qs.execute("migrate-set-parameters", **{
-                "max-bandwidth": plan.bandwidth_mib_s * MIB, "downtime-limit": 1})
+                "max-bandwidth": BANDWIDTH_MIB_S * MIB, "downtime-limit": 1})
             qs.execute("migrate", uri=f"tcp:127.0.0.1:{port}")
             # the first pass has sent the data when the second sync begins
             first = wait_migration(qs, lambda i: i.get("ram", {}).get("dirty-sync-count", 0) >= 2,
@@ -248,14 +246,14 @@ def migrate_while_freeing(tmp_path: Path, plan: Plan, report: bool,
             src.send("go")
             event(src, "freed", 120)
             if inflate_mib:
-                wait_balloon(qs, plan.mem_mib - inflate_mib, 180)
+                wait_balloon(qs, MEM_MIB - inflate_mib, 180)
                 print(f"[{time.monotonic() - t0:5.0f} s] inflated {inflate_mib} MiB", flush=True)
             qs.execute("migrate-set-parameters", **{"downtime-limit": 2000})
             info = wait_migration(qs, lambda i: i.get("status") == "completed", 240)
             wait_migration(qd, lambda i: i.get("status") == "completed", 60)
             # both stopped: the destination must hold what the source holds
-            differ, where = differing_pages(dump(qs, plan.mem_mib, tmp_path / "src.mem"),
-                                            dump(qd, plan.mem_mib, tmp_path / "dst.mem"))
+            differ, where = differing_pages(dump(qs, MEM_MIB, tmp_path / "src.mem"),
+                                            dump(qd, MEM_MIB, tmp_path / "dst.mem"))
             for name in ("src.mem", "dst.mem"):
                 (tmp_path / name).unlink()
             print(f"[{time.monotonic() - t0:5.0f} s] {differ} pages differ between source and "
@@ -270,7 +268,7 @@ def migrate_while_freeing(tmp_path: Path, plan: Plan, report: bool,
                   f"{ram.get('transferred', 0) / MIB:.0f} MiB, {ram.get('duplicate')} zero "
                   f"pages, {ram.get('normal')} normal pages", flush=True)
             if inflate_mib:
-                wait_balloon(qd, plan.mem_mib, 180)
+                wait_balloon(qd, MEM_MIB, 180)
                 print(f"[{time.monotonic() - t0:5.0f} s] deflated on the destination", flush=True)
         finally:
             qs.close()
@@ -301,8 +299,8 @@ def assert_destination_reads_zero(out: Outcome) -> None:
         assert out.populates[tag]["nonzero_bytes"] == 0, out.populates[tag]
 
 
-def test_reported_pages_read_zero_on_the_destination(tmp_path: Path) -> None:
-    out = migrate_while_freeing(tmp_path, Plan(), report=True,
+def test_reported_pages_read_zero_on_the_destination(lab) -> None:
+    out = migrate_while_freeing(lab, report=True,
                                 device_init_reported=BASELINE != "stock")
     assert_destination_reads_zero(out)
     if BASELINE != "stock":  # stock QEMU does not offer the bit
@@ -314,9 +312,8 @@ def test_reported_pages_read_zero_on_the_destination(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(BASELINE == "stock", reason="stock QEMU does not offer bit 7")
-def test_deflated_pages_read_zero_on_the_destination(tmp_path: Path) -> None:
-    plan = Plan()
-    out = migrate_while_freeing(tmp_path, plan, report=False, inflate_mib=plan.fill_mib - 100,
+def test_deflated_pages_read_zero_on_the_destination(lab) -> None:
+    out = migrate_while_freeing(lab, report=False, inflate_mib=FILL_MIB - 100,
                                 device_init_on_inflate=True)
     assert_destination_reads_zero(out)
     assert out.bit(BALLOON_BIT_DEVICE_INIT_ON_INFLATE), \

@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import pytest
 
-from freepage_lab import kernel, knobs, qemu
-from freepage_lab.backend import BalloonBackend
-from freepage_lab.context import RunContext
+from freepage_lab import guestshell, harness, kernel
 from freepage_lab.initramfs import EVENT
-from freepage_lab.runners import GuestConfig, QemuRunner, uml_memory_file
-from freepage_lab.shell import Shell
+from freepage_lab.procfs import deleted_file
 
 pytestmark = [
     pytest.mark.slow,
@@ -42,7 +38,7 @@ def guest_script() -> str:
         f"echo \"{EVENT} filled\"",
         "read go",
         "rm /tmp/fill",
-        knobs.flush_cmd(),
+        guestshell.flush_cmd(),
         f"echo \"{EVENT} freed\"",
         "read done",
     ]) + "\n"
@@ -50,19 +46,18 @@ def guest_script() -> str:
 
 def memfd_bytes(qemu_pid: int) -> int:
     """Allocated blocks of the guest's RAM: the memfd QEMU holds (deleted file)."""
-    mem = uml_memory_file(qemu_pid)
+    mem = deleted_file(qemu_pid)
     assert mem is not None, f"QEMU {qemu_pid} holds no memfd"
     return os.stat(mem).st_blocks * 512
 
 
-def test_vhost_user_balloon_reclaims_freed_memory(tmp_path: Path) -> None:
-    shell = Shell()
-    ctx = RunContext(shell=shell, run_dir=tmp_path, platform="qemu", accel="tcg", patched=True)
-    runner = QemuRunner(shell, "tcg", qemu.build(shell).binary)
-    backend = BalloonBackend(shell, tmp_path / "balloon.sock", ctx.log("backend"))
-    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("vub", guest_script()),
-                      mem_mib=512, vhost_user_balloon=backend.socket)
-    with backend, runner.guest("vub", cfg, ctx.log("vub"), interactive=True) as g:
+def test_vhost_user_balloon_reclaims_freed_memory(lab) -> None:
+    ctx = lab.context("qemu", patched=True)
+    # the daemon's defaults, on the patched QEMU (vhost-user-balloon-pci)
+    variant = harness.Variant("vhost-user", zeroing=None, vhost_user=True)
+    with lab.start(ctx, "vub", guest_script(), variant, mem_mib=512, interactive=True) as run:
+        g, backend = run.guest, run.backend
+        assert backend is not None
         g.wait_for(rf"^{EVENT} filled", 300)
         filled = memfd_bytes(g.pid)
         g.send("go")
@@ -75,7 +70,7 @@ def test_vhost_user_balloon_reclaims_freed_memory(tmp_path: Path) -> None:
             time.sleep(0.5)
         counters = backend.request({"cmd": "get_counters"})
         g.send("done")
-        assert g.wait_exit(60) == 0
+        assert run.wait_exit(60) == 0
     reclaimed = (filled - now) / (FREED_MIB * MIB)
     print(f"memfd: {filled / MIB:.0f} MiB after the fill, {now / MIB:.0f} MiB after the "
           f"reporting pass: {reclaimed:.0%} of the freed {FREED_MIB} MiB reclaimed; "

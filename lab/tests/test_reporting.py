@@ -16,16 +16,12 @@ from __future__ import annotations
 import os
 import re
 import time
-from pathlib import Path
 
 import pytest
 
-from freepage_lab.context import RunContext
-from freepage_lab.footprint import Sampler
+from freepage_lab import harness
+from freepage_lab.guestshell import BALLOON_BOUND
 from freepage_lab.initramfs import EVENT
-from freepage_lab.runners import GuestConfig
-from freepage_lab.scenarios.reclaim import BALLOON_BOUND
-from freepage_lab.shell import Shell
 
 pytestmark = pytest.mark.slow
 MIB = 1 << 20
@@ -36,30 +32,24 @@ KERNEL = "freepage" if PATCHED else "stock"
 SYSFS = "/sys/kernel/mm/page_reporting"
 
 
-def ctx_for(tmp_path: Path, platform: str) -> RunContext:
-    return RunContext(shell=Shell(), run_dir=tmp_path, platform=platform, accel="tcg",
-                      patched=PATCHED)
-
-
-def released_within(tmp_path: Path, platform: str, mem_mib: int) -> tuple[float, float | None]:
+def released_within(lab, platform: str, mem_mib: int) -> tuple[float, float | None]:
     """Boot, free FREED_MIB of 4 KiB pages; (fraction released within WITHIN_S, t90 s)."""
-    ctx = ctx_for(tmp_path, platform)
+    ctx = lab.context(platform, patched=PATCHED)
     script = f"""{BALLOON_BOUND}
 populate --mib {FREED_MIB} --mode 4k --fill 165 --tag report
 echo {EVENT} freed
 sleep {WITHIN_S + 1:.0f}
 """
-    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("report", script), mem_mib=mem_mib)
-    host = ctx.balloon_host(cfg, "report")
-    # Debian's QEMU on the qemu platform: only the guest kernel is under test
-    runner = ctx.runner(patched_qemu=False)
-    g = runner.guest(f"report-{platform}", cfg, ctx.log("report"))
-    with host, g, Sampler(lambda: runner.footprint_bytes(g), 0.02) as sampler:
-        _, freed, _ = g.wait_for(rf"^{EVENT} freed$", 180)
+    # the context's kernel on Debian's QEMU: only the guest kernel is under test
+    variant = harness.Variant(KERNEL, stock_qemu=True, zeroing=None)
+    with lab.start(ctx, f"report-{platform}", script, variant, initrd="report", mem_mib=mem_mib,
+                   timeout_s=180, footprint_s=0.02) as run:
+        freed = run.mark("freed").line
         while time.monotonic() < freed.t + WITHIN_S + 0.1:
             time.sleep(0.1)
-        samples = list(sampler.samples)
-        assert g.wait_exit(60) == 0
+        assert run.wait_exit(60) == 0
+    samples = harness.check(run.booted).footprint
+    rate = run.booted.footprint_hz
     peak = max(s.bytes for s in samples if s.t <= freed.t + 0.1)
     window = [s for s in samples if freed.t <= s.t <= freed.t + WITHIN_S]
     low = min(s.bytes for s in window)
@@ -68,17 +58,17 @@ sleep {WITHIN_S + 1:.0f}
     t90_text = "never" if t90 is None else f"{t90:.2f} s"
     print(f"{platform} {KERNEL}: {(peak - low) / MIB:.0f} of {FREED_MIB} MiB ({fraction:.0%}) "
           f"released within {WITHIN_S:.0f} s of the free, 90% at {t90_text}, "
-          f"sampled at {sampler.rate_hz():.0f} Hz")
+          f"sampled at {rate:.0f} Hz")
     return fraction, t90
 
 
-def test_uml_gives_back_90_percent_of_4k_frees_within_5s(tmp_path):
-    fraction, _ = released_within(tmp_path, "uml", 1024)
+def test_uml_gives_back_90_percent_of_4k_frees_within_5s(lab):
+    fraction, _ = released_within(lab, "uml", 1024)
     assert fraction >= 0.9, f"UML, {KERNEL} kernel: only {fraction:.0%} released in {WITHIN_S} s"
 
 
-def test_qemu_gives_back_90_percent_of_4k_frees_within_5s(tmp_path):
-    fraction, _ = released_within(tmp_path, "qemu", 1024)
+def test_qemu_gives_back_90_percent_of_4k_frees_within_5s(lab):
+    fraction, _ = released_within(lab, "qemu", 1024)
     assert fraction >= 0.9, f"QEMU, {KERNEL} kernel: only {fraction:.0%} released in {WITHIN_S} s"
 
 
@@ -91,8 +81,8 @@ REFUSED = (("order", "11", "Invalid argument"), ("order", "-1", "Invalid argumen
 ACCEPTED = (("delay_ms", "250"), ("batch", "16"), ("budget_pages", "0"))
 
 
-def test_every_knob_refuses_out_of_range_writes(tmp_path):
-    ctx = ctx_for(tmp_path, "uml")
+def test_every_knob_refuses_out_of_range_writes(lab):
+    ctx = lab.context("uml", patched=PATCHED)
     lines = []
     for knob, value, _ in REFUSED:
         lines.append(f"if err=$( (echo {value} > {SYSFS}/{knob}) 2>&1 ); then "
@@ -100,11 +90,10 @@ def test_every_knob_refuses_out_of_range_writes(tmp_path):
                      f"else echo \"KNOB {knob}={value} refused: $err\"; fi")
     for knob, value in ACCEPTED:
         lines.append(f"echo {value} > {SYSFS}/{knob}; echo \"KNOB {knob} reads $(cat {SYSFS}/{knob})\"")
-    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd("knobs", "\n".join(lines) + "\n"),
-                      mem_mib=256)
-    with ctx.runner().guest("knobs", cfg, ctx.log("knobs")) as g:
-        g.wait_exit(60)
-        out = [ln.text.strip() for ln in g.lines if ln.text.startswith("KNOB ")]
+    # UML: no balloon without a daemon
+    with lab.start(ctx, "knobs", "\n".join(lines) + "\n", lab.BARE, mem_mib=256) as run:
+        run.wait_exit(60)
+        out = [t.strip() for t in run.booted.lines if t.startswith("KNOB ")]
     print("\n".join(out))
     for knob, value, error in REFUSED:
         line = next(ln for ln in out if ln.startswith(f"KNOB {knob}={value} "))

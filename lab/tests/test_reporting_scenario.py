@@ -2,15 +2,15 @@
 
 import pytest
 
-from freepage_lab import cli, demo, kernel
+from freepage_lab import cli, demo, harness, kernel
 from freepage_lab.scenarios import reclaim
 from freepage_lab.shell import LabError, Shell
 
 
 def test_boots_interleave_and_rotate():
-    order = reclaim.order_of_boots(("a", "b", "c"), 3)
-    assert [v for _, v in order] == list("abc" "bca" "cab")
-    assert [r for r, _ in order] == [0] * 3 + [1] * 3 + [2] * 3
+    order = [v for r in range(3) for v in harness.order("abc", r, rotate=True)]
+    assert order == list("abc" "bca" "cab")
+    assert [v for r in range(3) for v in harness.order("abc", r)] == list("abc" "cba" "abc")
 
 
 def test_guest_script_marks_populate_and_free_and_reads_the_counters():
@@ -67,10 +67,10 @@ def test_unknown_variant_is_refused(tmp_path):
 
 
 def test_stock250_is_pristine_6_12_plus_the_bench_patch(capsys):
-    patch = kernel.QUEUES["never-zero-twice"].bench_dir / reclaim.STOCK250_PATCH
+    patch = kernel.QUEUES["never-zero-twice"].bench_dir / harness.STOCK250_PATCH
     assert "#define PAGE_REPORTING_DELAY\tmsecs_to_jiffies(250)" in patch.read_text()
     plain = kernel.BuildSpec("um", patched=False)
-    spec = kernel.BuildSpec("um", patched=False, extra_patches=(reclaim.STOCK250_PATCH,))
+    spec = kernel.BuildSpec("um", patched=False, extra_patches=(harness.STOCK250_PATCH,))
     assert spec.label == "um-release-vanilla+stock-delay-250ms"
     shell = Shell(dry_run=True)
     built = kernel.build(shell, spec)
@@ -85,7 +85,7 @@ def test_dry_run_shows_each_variant_on_the_same_host_side(capsys, tmp_path, monk
     assert cli.main(["--dry-run", "run", "reclaim", "--platform", "qemu", "--accel", "tcg"]) == 0
     qemus = [ln for ln in capsys.readouterr().err.splitlines() if "-machine pc" in ln]
     assert len(qemus) == 4 and all(q.startswith("$ qemu-system-x86_64 ") for q in qemus)
-    assert "free-page-reporting=off" in qemus[0]
+    assert "free-page-reporting" not in qemus[0]  # QEMU's default: off
     assert all("free-page-reporting=on" in q for q in qemus[1:])
     assert ["vanilla-" in qemus[1], "vanilla+stock-delay-250ms" in qemus[2],
             "patched" in qemus[3]] == [True] * 3
@@ -94,6 +94,8 @@ def test_dry_run_shows_each_variant_on_the_same_host_side(capsys, tmp_path, monk
     daemons = [ln for ln in capsys.readouterr().err.splitlines() if "--socket-path" in ln]
     assert len(daemons) == 4 and "--no-reporting" in daemons[0]
     assert not any("--no-reporting" in d for d in daemons[1:])
+    # the same device for every variant: no zeroing bits
+    assert all("--no-init-bits" in d for d in daemons)
 
 
 def test_demo_reclaim_steps_compare_variants_with_default_pcp_lists():

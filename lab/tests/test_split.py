@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from freepage_lab import scenarios
 from freepage_lab.scenarios import split
 from freepage_lab.shell import LabError
 
@@ -70,8 +71,8 @@ def test_split_refuses_other_platforms_and_bad_params(tmp_path):
     from freepage_lab.shell import Shell
 
     ctx = RunContext(shell=Shell(dry_run=True), run_dir=tmp_path, platform="qemu")
-    with pytest.raises(LabError, match="platform arm64"):
-        split.Split().run(ctx, split.Params())
+    with pytest.raises(LabError, match="split runs on arm64"):
+        scenarios.run(split.Split(), ctx, split.Params())
     ctx.platform = "arm64"
     with pytest.raises(LabError, match="unknown backing"):
         split.Split().run(ctx, split.Split().params({"backings": "shmem"}))

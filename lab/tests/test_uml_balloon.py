@@ -10,17 +10,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
+from freepage_lab import harness
 from freepage_lab.backend import BalloonBackend
 from freepage_lab.context import RunContext
 from freepage_lab.footprint import Sampler
 from freepage_lab.guest import Guest
 from freepage_lab.initramfs import EVENT
-from freepage_lab.runners import GuestConfig
-from freepage_lab.shell import Shell
 
 pytestmark = pytest.mark.slow
 MIB = 1 << 20
@@ -31,10 +29,6 @@ BOUND = ("ls -d /sys/bus/virtio/drivers/virtio_balloon/virtio0 >/dev/null || "
 # forever and are never reported.
 PCP = "echo 1000 > /proc/sys/vm/percpu_pagelist_high_fraction"
 MEMINFO = "echo \"MEM $(awk '/MemTotal/{t=$2} /MemFree/{f=$2} END{print t, f}' /proc/meminfo)\""
-
-
-def ctx_for(tmp_path: Path) -> RunContext:
-    return RunContext(shell=Shell(), run_dir=tmp_path, platform="uml")
 
 
 @contextmanager
@@ -48,11 +42,21 @@ def daemon(ctx: RunContext, *extra: str) -> Iterator[BalloonBackend]:
         backend.stop()
 
 
-def guest(ctx: RunContext, backend: BalloonBackend, name: str, script: str,
-          mem_mib: int = 512) -> Guest:
-    cfg = GuestConfig(kernel=ctx.kernel(), initrd=ctx.initrd(name, script), mem_mib=mem_mib,
-                      vhost_user_balloon=backend.socket)
-    return ctx.runner().guest(name, cfg, ctx.log(name))
+@contextmanager
+def guest(lab, ctx: RunContext, backend: BalloonBackend, name: str, script: str) -> Iterator[Guest]:
+    """A guest booted by the harness, served by the test's daemon (which outlives it)."""
+    with lab.start(ctx, name, script, lab.PLAIN, mem_mib=512, daemon=backend) as run:
+        yield run.guest
+
+
+@contextmanager
+def booted(lab, ctx: RunContext, name: str, script: str,
+           *flags: str) -> Iterator[tuple[Guest, BalloonBackend]]:
+    """A guest and the daemon the harness runs for it (`flags`: the daemon's)."""
+    variant = harness.Variant(name, zeroing=None, daemon_args=flags)
+    with lab.start(ctx, name, script, variant, mem_mib=512) as run:
+        assert run.backend is not None
+        yield run.guest, run.backend
 
 
 def memory_file_bytes(ctx: RunContext, g: Guest) -> int:
@@ -90,9 +94,9 @@ def next_meminfo(g: Guest, timeout: float = 10) -> tuple[int, int]:
     return int(m.group(1)) * 1024, int(m.group(2)) * 1024
 
 
-def test_free_page_reporting_releases_what_the_guest_freed(tmp_path):
+def test_free_page_reporting_releases_what_the_guest_freed(lab):
     """(a) 4k populate with a non-zero fill, free: the file gives >= 90% back."""
-    ctx = ctx_for(tmp_path)
+    ctx = lab.context("uml")
     freed = 256 * MIB
     script = f"""{BOUND}
 {PCP}
@@ -103,19 +107,18 @@ populate --mib {freed // MIB} --mode 4k --fill 165 --tag report
 echo {EVENT} freed
 sleep 15
 """
-    with daemon(ctx) as backend:
-        g = guest(ctx, backend, "report", script)
-        with g, Sampler(lambda: ctx.runner().footprint_bytes(g)) as sampler:
-            g.wait_for(rf"^{EVENT} ready$", 60)
-            base = counters(backend)["counters"]
-            _, freed_line, _ = g.wait_for(rf"^{EVENT} freed$", 60)
-            peak = max(s.bytes for s in sampler.samples if s.t <= freed_line.t + 0.5)
-            wait_until("the memory file to give back 90% of the freed memory",
-                       lambda: peak - memory_file_bytes(ctx, g) >= 0.9 * freed, 12, 0.2)
-            time.sleep(1.5)  # let the rest of the report in flight land
-            after = memory_file_bytes(ctx, g)
-            state = counters(backend)
-            assert g.wait_exit(60) == 0
+    with booted(lab, ctx, "report", script) as (g, backend), \
+            Sampler(lambda: ctx.runner().footprint_bytes(g)) as sampler:
+        g.wait_for(rf"^{EVENT} ready$", 60)
+        base = counters(backend)["counters"]
+        _, freed_line, _ = g.wait_for(rf"^{EVENT} freed$", 60)
+        peak = max(s.bytes for s in sampler.samples if s.t <= freed_line.t + 0.5)
+        wait_until("the memory file to give back 90% of the freed memory",
+                   lambda: peak - memory_file_bytes(ctx, g) >= 0.9 * freed, 12, 0.2)
+        time.sleep(1.5)  # let the rest of the report in flight land
+        after = memory_file_bytes(ctx, g)
+        state = counters(backend)
+        assert g.wait_exit(60) == 0
     c = state["counters"]
     released = peak - after
     discarded = c["discarded_bytes"] - base["discarded_bytes"]
@@ -136,13 +139,13 @@ sleep 15
 
 
 @pytest.mark.parametrize("deflate_on_oom", [True, False], ids=["deflate-on-oom", "no-doom"])
-def test_inflate_and_deflate_move_guest_memory_and_shrink_the_file(tmp_path, deflate_on_oom):
+def test_inflate_and_deflate_move_guest_memory_and_shrink_the_file(lab, deflate_on_oom):
     """(b) set_target N: the guest gives N pages; the file shrinks; target 0 gives them back.
 
     virtio_balloon adjusts totalram (MemTotal) only without DEFLATE_ON_OOM; with
     it, the pages stay counted in MemTotal and MemFree drops instead.
     """
-    ctx = ctx_for(tmp_path)
+    ctx = lab.context("uml")
     pages = 32768  # 128 MiB
     want = pages * PAGE
     # Reporting off: the warmed-up (dirty) free memory stays allocated in the
@@ -161,21 +164,19 @@ while [ $i -lt 240 ]; do
   i=$((i+1))
 done
 """
-    with daemon(ctx, *extra) as backend:
-        g = guest(ctx, backend, "inflate", script)
-        with g:
-            g.wait_for(rf"^{EVENT} warmed$", 60)
-            total0, free0 = next_meminfo(g)
-            file0 = memory_file_bytes(ctx, g)
-            reply = backend.request({"cmd": "set_target", "pages": pages})
-            assert reply == {"ok": True, "target": pages, "notified": True}
-            wait_until("actual == target", lambda: counters(backend)["actual"] == pages, 30)
-            total1, free1 = next_meminfo(g)
-            file1 = memory_file_bytes(ctx, g)
-            assert backend.request({"cmd": "set_target", "pages": 0})["ok"]
-            wait_until("actual == 0", lambda: counters(backend)["actual"] == 0, 30)
-            total2, free2 = next_meminfo(g)
-            state = counters(backend)
+    with booted(lab, ctx, "inflate", script, *extra) as (g, backend):
+        g.wait_for(rf"^{EVENT} warmed$", 60)
+        total0, free0 = next_meminfo(g)
+        file0 = memory_file_bytes(ctx, g)
+        reply = backend.request({"cmd": "set_target", "pages": pages})
+        assert reply == {"ok": True, "target": pages, "notified": True}
+        wait_until("actual == target", lambda: counters(backend)["actual"] == pages, 30)
+        total1, free1 = next_meminfo(g)
+        file1 = memory_file_bytes(ctx, g)
+        assert backend.request({"cmd": "set_target", "pages": 0})["ok"]
+        wait_until("actual == 0", lambda: counters(backend)["actual"] == 0, 30)
+        total2, free2 = next_meminfo(g)
+        state = counters(backend)
     c = state["counters"]
     print(f"MemTotal {total0 // 1024} -> {total1 // 1024} -> {total2 // 1024} KiB, "
           f"MemFree {free0 // 1024} -> {free1 // 1024} -> {free2 // 1024} KiB, "
@@ -196,9 +197,9 @@ done
     assert free2 >= free0 - 8 * MIB
 
 
-def test_daemon_survives_a_vanishing_guest_and_serves_the_next_one(tmp_path):
+def test_daemon_survives_a_vanishing_guest_and_serves_the_next_one(lab):
     """(c) a guest killed mid-run, a second guest on the same socket works."""
-    ctx = ctx_for(tmp_path)
+    ctx = lab.context("uml")
     first = f"""{BOUND}
 echo {EVENT} bound
 sleep 600
@@ -210,8 +211,7 @@ echo {EVENT} freed
 sleep 8
 """
     with daemon(ctx) as backend:
-        g1 = guest(ctx, backend, "first", first)
-        with g1:
+        with guest(lab, ctx, backend, "first", first) as g1:
             g1.wait_for(rf"^{EVENT} bound$", 60)
             assert counters(backend)["connected"]
         # the guest was killed (SIGTERM/SIGKILL of its process group, no clean removal)
@@ -219,8 +219,7 @@ sleep 8
         assert backend.proc is not None and backend.proc.poll() is None
         before = counters(backend)["counters"]
 
-        g2 = guest(ctx, backend, "second", second)
-        with g2:
+        with guest(lab, ctx, backend, "second", second) as g2:
             g2.wait_for(rf"^{EVENT} freed$", 60)
             wait_discarded("reports from the second guest", backend, before, 128 * MIB)
             assert g2.wait_exit(60) == 0
@@ -233,9 +232,9 @@ sleep 8
     assert not any(c["rejects"].values()), c["rejects"]
 
 
-def test_driver_rebind_renegotiates_and_keeps_reporting(tmp_path):
+def test_driver_rebind_renegotiates_and_keeps_reporting(lab):
     """unbind + bind re-probes the driver: features again, rings set up again."""
-    ctx = ctx_for(tmp_path)
+    ctx = lab.context("uml")
     drv = "/sys/bus/virtio/drivers/virtio_balloon"
     script = f"""{BOUND}
 {PCP}
@@ -249,15 +248,13 @@ populate --mib 128 --mode 4k --fill 165 --tag rebind
 echo {EVENT} freed
 sleep 8
 """
-    with daemon(ctx) as backend:
-        g = guest(ctx, backend, "rebind", script)
-        with g:
-            g.wait_for(rf"^{EVENT} rebound$", 60)
-            before = counters(backend)["counters"]
-            g.wait_for(rf"^{EVENT} freed$", 60)
-            wait_discarded("reports after the rebind", backend, before, 128 * MIB)
-            # power-off removes the device; it must not hang on the reporting vq
-            assert g.wait_exit(60) == 0
+    with booted(lab, ctx, "rebind", script) as (g, backend):
+        g.wait_for(rf"^{EVENT} rebound$", 60)
+        before = counters(backend)["counters"]
+        g.wait_for(rf"^{EVENT} freed$", 60)
+        wait_discarded("reports after the rebind", backend, before, 128 * MIB)
+        # power-off removes the device; it must not hang on the reporting vq
+        assert g.wait_exit(60) == 0
     text = "\n".join(ln.text for ln in g.lines)
     assert "WARNING:" not in text and "slave reports error" not in text
     assert "probe with driver virtio_balloon failed" not in text

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from freepage_lab import cli, knobs
+from freepage_lab import cli, guestshell
 from freepage_lab.guest import Guest
 from freepage_lab.scenarios import zerobench
 from freepage_lab.shell import LabError, Shell
@@ -24,7 +24,7 @@ def test_guest_script_dirties_reports_then_benchmarks_each_order():
     lines = script.splitlines()
     assert lines.index("echo 1000 > /proc/sys/vm/percpu_pagelist_high_fraction") > 0
     assert script.count("populate --mib 128 --mode 4k --fill 0x5a --tag warm") == 4
-    assert script.count(f"echo 1000000 > {knobs.FLUSH}") == 4
+    assert script.count(f"echo 1000000 > {guestshell.FLUSH}") == 4
     assert script.count("bench zero 0 128") == 2 and script.count("bench zero 9 128") == 2
     assert script.count("bench fastpath 1000") == 3
     assert "/sys/module/page_zeroed_bench/parameters/run" in script
@@ -35,7 +35,7 @@ def test_guest_script_dirties_reports_then_benchmarks_each_order():
     assert lines[i - 4].startswith("populate --mib 128") and lines[i - 2] == "sleep 1"
     # fastpath last, after every zero run
     assert lines[-1] == "bench fastpath 1000"
-    assert '"order\\":" o s' in script  # the vmstat line carries the order
+    assert '\\"order\\":9" s' in script  # the vmstat line carries the order
 
 
 def test_guest_script_is_valid_shell():
@@ -142,7 +142,7 @@ def test_dry_run_boots_bench_kernels_and_runs_nothing(capsys, tmp_path, monkeypa
     assert "um-release-patched+bench+page-zeroed-bench" in err
     # off and vanilla run the daemon without bit 6, on with it: 2 rounds x 3 variants
     daemons = [ln for ln in err.splitlines() if "vhost-user-balloon --socket-path" in ln]
-    assert len(daemons) == 6 and sum("--no-zero-bits" in d for d in daemons) == 4
+    assert len(daemons) == 6 and sum("--no-init-bits" in d for d in daemons) == 4
     assert not (tmp_path / "runs").exists()
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from freepage_lab import knobs
+from freepage_lab import guestshell
 from freepage_lab.initramfs import EVENT
 from freepage_lab.scenarios import zerofirst
 from freepage_lab.shell import LabError
@@ -15,7 +15,7 @@ def test_script_marks_the_work_and_reports_before_it():
         assert f"echo {EVENT} work {i}" in script and f"echo {EVENT} done {i}" in script
     # reported memory is flushed before the backed memory is freed, never after
     first = script.split(f"echo {EVENT} work 0")[0]
-    assert first.index(knobs.FLUSH) < first.index("--tag backed")
+    assert first.index(guestshell.FLUSH) < first.index("--tag backed")
     assert "--verify" in script.split(f"echo {EVENT} work 0")[1].split("\n")[2]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from freepage_lab import cli, knobs
+from freepage_lab import cli, guestshell
 from freepage_lab.scenarios import zeromix
 from freepage_lab.shell import LabError
 
@@ -30,7 +30,7 @@ def test_script_runs_the_cycles_without_flushing_inside_them():
     assert "populate --mib 100 --mode 4k --verify --fill 0x5a --tag cycle-$i" in loop
     assert "sleep 3" in loop and "rm /tmp/zeromix.file" in loop
     # the one flush comes before the cycles; reporting then runs on its own
-    assert knobs.FLUSH in before and knobs.FLUSH not in loop
+    assert guestshell.FLUSH in before and guestshell.FLUSH not in loop
     # the file is written before the populate, deleted after it
     assert loop.index("dd ") < loop.index("populate --") < loop.index("rm ")
     order = re.findall(r"snap \$i (\w+)", loop)
@@ -40,7 +40,7 @@ def test_script_runs_the_cycles_without_flushing_inside_them():
 
 def test_script_options_per_platform():
     p = zeromix.ZeromixParams(initial_flush=False)
-    assert knobs.FLUSH not in zeromix.guest_script(p, "qemu")
+    assert guestshell.FLUSH not in zeromix.guest_script(p, "qemu")
     assert "echo 1000 > /proc/sys/vm/percpu_pagelist_high_fraction" in zeromix.guest_script(p, "uml")
     p = zeromix.ZeromixParams(pcp_high_fraction=8)
     assert "echo 8 > /proc/sys/vm/percpu_pagelist_high_fraction" in zeromix.guest_script(p, "qemu")

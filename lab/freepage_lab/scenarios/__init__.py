@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .. import harness
 from ..context import RunContext
-from ..guest import Guest
-from ..initramfs import BOOTED
-from ..runners import GuestConfig, Runner
 from ..shell import LabError
 
 
@@ -28,9 +25,19 @@ class Outcome:
 class Scenario(ABC):
     name: str
     Params: type
+    # where it runs (platforms.PLATFORMS keys), and why not elsewhere
+    platforms: tuple[str, ...] = ("uml", "qemu", "arm64")
+    needs: str = ""
 
     @abstractmethod
     def run(self, ctx: RunContext, params: Any) -> Outcome: ...
+
+    @staticmethod
+    def plan(params: Any, script: str, initrd: str, **fields: Any) -> harness.Plan:
+        """A guest of the size and time limit the parameters give (mem_mib,
+        timeout_s) running `script`; `fields`: more harness.Plan fields."""
+        return harness.Plan(script, initrd=initrd, **{"mem_mib": params.mem_mib,
+                                                      "timeout_s": params.timeout_s, **fields})
 
     def params(self, overrides: dict[str, str]) -> Any:
         """Params dataclass from key=value strings, types taken from the defaults."""
@@ -82,16 +89,20 @@ def registry() -> dict[str, Scenario]:
                                 PrezeroFootprint())}
 
 
+def run(scenario: Scenario, ctx: RunContext, params: Any) -> Outcome:
+    """Run a scenario on the context's platform, if it runs there."""
+    if ctx.platform not in scenario.platforms:
+        why = f" ({scenario.needs})" if scenario.needs else ""
+        raise LabError(f"{scenario.name} runs on {' or '.join(scenario.platforms)}{why}, "
+                       f"not {ctx.platform}")
+    return scenario.run(ctx, params)
+
+
 def get(name: str) -> Scenario:
     scenarios = registry()
     if name not in scenarios:
         raise LabError(f"unknown scenario {name!r}; choose one of {', '.join(scenarios)}")
     return scenarios[name]
-
-
-def abba(variants: Sequence[str], rnd: int) -> Sequence[str]:
-    """Variant order of round `rnd`: A B, then B A, ... so drift hits both alike."""
-    return variants if rnd % 2 == 0 else variants[::-1]
 
 
 def table(headers: list[str], rows: Sequence[Sequence[object]]) -> str:
@@ -105,31 +116,3 @@ def table(headers: list[str], rows: Sequence[Sequence[object]]) -> str:
 
 def fmt_s(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}"
-
-
-def kernel_warnings(guest: Guest) -> list[str]:
-    """WARNING lines after boot (KUnit suites warn on purpose before init)."""
-    booted = next((i for i, ln in enumerate(guest.lines) if ln.text.startswith(BOOTED)), 0)
-    return [ln.text for ln in guest.lines[booted:] if "WARNING" in ln.text]
-
-
-def run_checked(ctx: RunContext, cfg: GuestConfig, tag: str, name: str,
-                timeout_s: int, host: AbstractContextManager[object] | None = None,
-                runner: Runner | None = None) -> Guest | None:
-    """Boot `cfg` (with `runner`, default the context's, and the device
-    backend `host` running around it), wait for its script; None on a dry
-    run. A script that failed or a kernel that warned after boot ends the
-    scenario `name`."""
-    guest = (runner or ctx.runner()).guest(tag, cfg, ctx.log(tag))
-    with host or nullcontext():
-        if ctx.shell.dry_run:
-            guest.start()
-            return None
-        with guest:
-            rc = guest.wait_exit(timeout_s)
-    if rc != 0:
-        raise guest.error(f"{name}: guest script failed (exit {rc})")
-    warnings = kernel_warnings(guest)
-    if warnings:
-        raise guest.error(f"{name}: kernel warned: {warnings[0]}")
-    return guest

@@ -9,8 +9,8 @@ such a loop's allocation time. The freepage series reports after 100 ms
 but backs off (4x per pass, up to 16 s) when half of what a pass
 reported is allocated again.
 
-Variants, interleaved (each repeat boots every variant once, in an order
-that rotates from repeat to repeat):
+Variants (harness.FAMILIES["reporting"]), interleaved (each repeat boots
+every variant once, in an order that rotates from repeat to repeat):
   off       stock 6.12, the balloon does not offer free page reporting
   stock     stock 6.12 defaults (2 s delay)
   stock250  stock 6.12 with a 250 ms delay (kernel/bench/stock-delay-250ms.patch)
@@ -27,112 +27,28 @@ Reported per variant: median [min-max] over boots of the per-iteration
 alloc + touch time, guest minor faults, host faults and VMM CPU, and the
 ratio to stock (bootstrap 95% interval).
 
-This module also holds what pagefault and idle share: the variants, the
-host probe and the guest's reporting counters.
+This module also holds what pagefault and idle share: the boot plan, the
+window between two marks and the guest's reporting counters.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from .. import harness
 from ..context import RunContext
-from ..guest import group_members
-from ..initramfs import EVENT, EXIT
-from ..runners import GuestConfig
+from ..guestshell import BALLOON_BOUND, REPORTING_COUNTERS, reporting_snapshot
+from ..initramfs import EVENT
+from ..procfs import Usage
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, table
 
-VARIANTS = ("off", "stock", "stock250", "freepage")
-STOCK250_PATCH = "stock-delay-250ms.patch"
-REPORTING_DIR = "/sys/kernel/mm/page_reporting"
-BALLOON_BOUND = ("ls -d /sys/bus/virtio/drivers/virtio_balloon/virtio* >/dev/null 2>&1 || "
-                 "{ echo 'no virtio_balloon device bound' >&2; exit 4; }")
-# prints {"prog":"reporting","tag":...} with the series' counters; nothing on stock
-REPORTING_SNAPSHOT = f"""reporting() {{
-\t[ -r {REPORTING_DIR}/passes ] || return 0
-\tR={REPORTING_DIR}
-\tprintf '{{"prog":"reporting","tag":"%s","passes":%s,"time_us":%s,"reported_pages":%s,\
-"reused_pages":%s,"pcp_drained_pages":%s,"current_delay_ms":%s,"delay_ms":%s}}\\n' \\
-\t\t"$1" "$(cat $R/passes)" "$(cat $R/time_us)" \\
-\t\t"$(awk '{{s=0; for (i = 1; i <= NF; i++) s += $i; print s}}' $R/reported_pages)" \\
-\t\t"$(cat $R/reused_pages)" "$(cat $R/pcp_drained_pages)" \\
-\t\t"$(cat $R/current_delay_ms)" "$(cat $R/delay_ms)"
-}}
-"""
-REPORTING_COUNTERS = ("passes", "time_us", "reported_pages", "reused_pages", "pcp_drained_pages")
-
-
-def check_variants(scenario: str, variants: Sequence[str], allowed: Sequence[str] = VARIANTS) -> None:
-    for v in variants:
-        if v not in allowed:
-            raise LabError(f"{scenario}: unknown variant {v!r}; choose from {', '.join(allowed)}")
-
-
-def rotation(variants: Sequence[str], rnd: int) -> list[str]:
-    """Variant order of repeat `rnd`: each variant takes each position in turn."""
-    k = rnd % len(variants) if variants else 0
-    return [*variants[k:], *variants[:k]]
-
-
-# -- host side: the VMM's faults and CPU -----------------------------------
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-@dataclass
-class Usage:
-    """Faults and CPU seconds of a set of host processes (children they reaped included)."""
-
-    minflt: int = 0
-    majflt: int = 0
-    cpu_s: float = 0.0
-
-    def __add__(self, other: Usage) -> Usage:
-        return Usage(self.minflt + other.minflt, self.majflt + other.majflt,
-                     self.cpu_s + other.cpu_s)
-
-    def __sub__(self, other: Usage) -> Usage:
-        return Usage(self.minflt - other.minflt, self.majflt - other.majflt,
-                     self.cpu_s - other.cpu_s)
-
-    @property
-    def faults(self) -> int:
-        return self.minflt + self.majflt
-
-
-def parse_proc_stat(text: str, clk_tck: int = CLK_TCK) -> Usage:
-    """/proc/<pid>/stat -> own + reaped children's faults and CPU time.
-
-    UML runs each guest address space in a host process that its kernel
-    process reaps: counting children keeps an exited process's faults.
-    """
-    fields = text.rsplit(")", 1)[1].split()
-    # fields[0] is field 3 (state): minflt is field 10, utime 14 (proc(5))
-    minflt, cminflt, majflt, cmajflt = (int(fields[i]) for i in (7, 8, 9, 10))
-    utime, stime, cutime, cstime = (int(fields[i]) for i in (11, 12, 13, 14))
-    return Usage(minflt + cminflt, majflt + cmajflt,
-                 (utime + stime + cutime + cstime) / clk_tck)
-
-
-def process_usage(pid: int) -> Usage:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            return parse_proc_stat(fh.read())
-    except (OSError, IndexError, ValueError):
-        return Usage()
-
-
-def group_usage(pgid: int) -> Usage:
-    """Every live process of a guest's process group (QEMU, or UML and its helpers)."""
-    total = Usage()
-    for pid in group_members(pgid):
-        total = total + process_usage(pid)
-    return total
+# the "reporting" family of harness.FAMILIES
+VARIANTS = tuple(harness.family("reporting"))
 
 
 # -- one boot of one variant ---------------------------------------------------
@@ -148,6 +64,8 @@ class Boot:
     window_s: float
     reporting: dict[str, int] = field(default_factory=dict)  # counter deltas (series only)
     current_delay_ms: int | None = None
+    # the boot's name (its log, its trace)
+    name: str = ""
 
 
 def reporting_delta(records: list[dict], before: str = "before",
@@ -168,55 +86,41 @@ def reporting_trace(records: list[dict]) -> list[dict]:
             for r in records if r.get("prog") == "reporting" and r["tag"].startswith("t=")]
 
 
-def variant_config(ctx: RunContext, variant: str, initrd_name: str, script: str,
-                   mem_mib: int) -> tuple[GuestConfig, bool]:
-    """The guest config of a variant, and whether its balloon offers reporting."""
-    if variant == "freepage":
-        kernel = ctx.kernel(patched=True)
-    elif variant == "stock250":
-        kernel = ctx.kernel(patched=False, extra_patches=(STOCK250_PATCH,))
-    else:
-        kernel = ctx.kernel(patched=False)
-    reporting = variant != "off"
-    cfg = GuestConfig(kernel=kernel, initrd=ctx.initrd(initrd_name, script), mem_mib=mem_mib,
-                      free_page_reporting=reporting)
-    return cfg, reporting
-
-
-def boot_variant(ctx: RunContext, variant: str, tag: str, initrd_name: str, script: str,
-                 mem_mib: int, timeout_s: float,
-                 marks: tuple[str, str] = ("start", "done")) -> Boot | None:
-    """Boot one variant, run its script, measure the VMM between two console marks."""
-    cfg, reporting = variant_config(ctx, variant, initrd_name, script, mem_mib)
-    extra = ("--no-init-bits",) + (() if reporting else ("--no-reporting",))
-    host = ctx.balloon_host(cfg, tag, extra)
-    guest = ctx.runner().guest(tag, cfg, ctx.log(tag))
-    if ctx.shell.dry_run:
-        guest.start()
-        return None
-    with host, guest:
-        probe = _daemon_probe(host)
-        _, m0, _ = guest.wait_for(rf"^{EVENT} {marks[0]}$", timeout_s)
-        vmm0, d0 = group_usage(guest.pid), probe()
-        _, m1, _ = guest.wait_for(rf"^{EVENT} {marks[1]}$", timeout_s)
-        vmm1, d1 = group_usage(guest.pid), probe()
-        # the script's status, not the power-off: a UML tearing down 2 GiB
-        # under load may take longer than wait_exit() grants; leaving the
-        # context kills what is left
-        _, _, m = guest.wait_for(rf"^{EXIT} (\d+)", timeout_s)
-        rc = int(m.group(1))
-    if rc != 0:
-        raise guest.error(f"{tag}: guest script failed (exit {rc})")
-    records = guest.json_records()
+def measure(booted: harness.Booted, marks: tuple[str, str] = ("start", "done")) -> Boot:
+    """What a boot measured between two marks (host probes, reporting counters)."""
+    vmm, daemon, window_s = booted.between(*marks)
+    records = booted.records()
     delta, delay = reporting_delta(records)
-    return Boot(variant, records, vmm1 - vmm0, d1 - d0, m1.t - m0.t, delta, delay)
+    return Boot(booted.variant.name, records, vmm, daemon, window_s, delta, delay, booted.name)
 
 
-def _daemon_probe(host: object) -> Callable[[], Usage]:
-    proc = getattr(host, "proc", None)
-    if proc is None:
-        return Usage
-    return lambda: process_usage(proc.pid)
+def plan(script: str, initrd: str, mem_mib: int, timeout_s: float) -> harness.Plan:
+    """Boot, run the script, measure between its start and done marks; the
+    script's exit code suffices: a UML tearing down 2 GiB under load may take
+    longer to power off than a boot is granted, and leaving kills it."""
+    return harness.Plan(script, initrd=initrd, mem_mib=mem_mib, marks=("start", "done"),
+                        timeout_s=timeout_s, poweroff=False)
+
+
+class Comparison(Protocol):
+    """The parameters churn and pagefault share."""
+
+    mem_mib: int
+    variants: tuple[str, ...]
+    repeat: int
+    timeout_s: int
+
+
+def measured_boots(ctx: RunContext, scenario: str, params: Comparison,
+                   script: str) -> Iterator[Boot]:
+    """`script` on every variant of the reporting family that `params`
+    names, `params.repeat` rounds, each variant in each position in turn;
+    each boot measured between its start and done marks."""
+    variants = harness.pick(scenario, "reporting", params.variants)
+    tag = f"{scenario}-{ctx.platform}"
+    boot_plan = plan(script, tag, params.mem_mib, params.timeout_s)
+    return (measure(b) for b in harness.rounds(ctx, variants, params.repeat, tag, boot_plan,
+                                               rotate=True))
 
 
 # -- the churn scenario --------------------------------------------------------
@@ -245,7 +149,7 @@ def churn_script(p: ChurnParams) -> str:
         loop = (f"( while :; do reporting \"t=$(cut -d' ' -f1 /proc/uptime)\"; sleep {pause}; "
                 f"done ) & tracer=$!\n{loop}\nkill $tracer || true")
     return "\n".join([
-        BALLOON_BOUND, REPORTING_SNAPSHOT.rstrip("\n"),
+        BALLOON_BOUND, reporting_snapshot(),
         f"sleep {p.settle_s}",
         "reporting before",
         f"echo {EVENT} start",
@@ -342,18 +246,11 @@ class Churn(Scenario):
     Params = ChurnParams
 
     def run(self, ctx: RunContext, params: ChurnParams) -> Outcome:
-        check_variants(self.name, params.variants)
-        script = churn_script(params)
         boots: list[ChurnBoot] = []
         traces: dict[str, list[dict]] = {}
-        for rnd in range(params.repeat):
-            for variant in rotation(params.variants, rnd):
-                tag = f"churn-{ctx.platform}-{variant}-{rnd}"
-                boot = boot_variant(ctx, variant, tag, f"churn-{ctx.platform}", script,
-                                    params.mem_mib, params.timeout_s)
-                if boot is not None:
-                    boots.append(churn_boot(boot))
-                    traces[tag] = reporting_trace(boot.records)
+        for boot in measured_boots(ctx, self.name, params, churn_script(params)):
+            boots.append(churn_boot(boot))
+            traces[boot.name] = reporting_trace(boot.records)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         summary = summarise_churn(boots, params.variants)

@@ -14,29 +14,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import harness
 from ..context import RunContext
+from ..guestshell import BALLOON_BOUND, USER_HZ, cpustat_function, reporting_snapshot
 from ..initramfs import EVENT
 from ..shell import LabError
 from ..stats import summarise
 from . import Outcome, Scenario, table
-from .churn import (
-    BALLOON_BOUND,
-    REPORTING_SNAPSHOT,
-    VARIANTS,
-    Boot,
-    boot_variant,
-    check_variants,
-    rotation,
-    spread,
-    variant_config,
-)
+from .churn import VARIANTS, Boot, measure, plan, spread
 
 # guest /proc/stat "cpu" line: user nice system idle iowait irq softirq steal
 BUSY_FIELDS = (0, 1, 2, 5, 6)
-CPUSTAT = ("cpustat() { awk -v tag=\"$1\" '$1 == \"cpu\" { printf \"{\\\"prog\\\":\\\"cpustat\\\","
-           "\\\"tag\\\":\\\"%s\\\",\\\"ticks\\\":[%s,%s,%s,%s,%s,%s,%s,%s]}\\n\", "
-           "tag, $2, $3, $4, $5, $6, $7, $8, $9 }' /proc/stat; }")
-USER_HZ = 100
 
 
 @dataclass
@@ -54,7 +42,7 @@ class IdleParams:
 
 def idle_script(p: IdleParams) -> str:
     return "\n".join([
-        BALLOON_BOUND, REPORTING_SNAPSHOT.rstrip("\n"), CPUSTAT,
+        BALLOON_BOUND, reporting_snapshot(), cpustat_function(),
         f"sleep {p.settle_s}",
         "reporting before", "cpustat before",
         f"echo {EVENT} start",
@@ -113,21 +101,23 @@ class Idle(Scenario):
     Params = IdleParams
 
     def run(self, ctx: RunContext, params: IdleParams) -> Outcome:
-        check_variants(self.name, params.variants)
+        variants = harness.pick(self.name, "reporting", params.variants)
         script = idle_script(params)
         boots: list[IdleBoot] = []
+        # an initramfs per variant: side by side, one is not rewritten under another
+        plans = {v.name: plan(script, f"idle-{ctx.platform}-{v.name}", params.mem_mib,
+                              params.seconds + params.timeout_s) for v in variants}
 
-        def one(variant: str, rnd: int) -> Boot | None:
-            # an initramfs per variant: side by side, one is not rewritten under another
-            return boot_variant(ctx, variant, f"idle-{ctx.platform}-{variant}-{rnd}",
-                                f"idle-{ctx.platform}-{variant}", script, params.mem_mib,
-                                params.seconds + params.timeout_s)
+        def one(variant: harness.Variant, rnd: int) -> Boot | None:
+            booted = harness.boot(ctx, variant, f"idle-{ctx.platform}-{variant.name}-{rnd}",
+                                  plans[variant.name])
+            return None if booted is None else measure(booted)
 
-        for variant in params.variants:  # build every kernel before anything boots
-            variant_config(ctx, variant, f"idle-{ctx.platform}-{variant}", script,
-                           params.mem_mib)
+        for variant in variants:  # build every kernel before anything boots
+            harness.kernel(ctx, variant)
+            ctx.initrd(plans[variant.name].initrd, script)
         for rnd in range(params.repeat):
-            order = rotation(params.variants, rnd)
+            order = harness.order(variants, rnd, rotate=True)
             if params.parallel and not ctx.shell.dry_run:
                 with ThreadPoolExecutor(max_workers=len(order)) as pool:
                     done = list(pool.map(one, order, [rnd] * len(order)))

@@ -14,12 +14,13 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 
+from .. import harness
 from ..context import RunContext
 from ..initramfs import EVENT
-from ..runners import GuestConfig, Qmp
+from ..runners import Qmp
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
-from . import Outcome, Scenario, abba, table
+from . import Outcome, Scenario, table
 
 VARIANTS = ("no-hint", "hint")
 MIB = 1 << 20
@@ -59,27 +60,27 @@ def free_port() -> int:
 class Migrate(Scenario):
     name = "migrate"
     Params = MigrateParams
+    platforms = ("qemu",)
+    needs = "two QEMUs and live migration"
 
-    def one(self, ctx: RunContext, params: MigrateParams, workload: str, variant: str, rnd: int) -> dict:
-        runner = ctx.runner()
-        initrd = ctx.initrd(f"migrate-{workload}", guest_script(params, workload))
+    def one(self, ctx: RunContext, params: MigrateParams, workload: str,
+            variant: harness.Variant, rnd: int) -> dict:
+        """Two guests on top of the harness: the source, and the destination
+        it migrates to (-incoming); both end after the migration."""
+        harness.runner(ctx, variant)
+        plan = self.plan(params, guest_script(params, workload), f"migrate-{workload}",
+                         cpu=params.cpu or None)
+        ctx.initrd(plan.initrd, plan.script)
         port = free_port()
-        tag = f"migrate-{workload}-{variant}-{rnd}"
-        common = dict(kernel=ctx.kernel(), initrd=initrd, mem_mib=params.mem_mib,
-                      free_page_reporting=False, free_page_hint=(variant == "hint"),
-                      cpu=params.cpu or None)
-        src_cfg = GuestConfig(**common, qmp_socket=ctx.run_dir / f"{tag}-src.qmp")  # type: ignore[arg-type]
-        dst_cfg = GuestConfig(**common, qmp_socket=ctx.run_dir / f"{tag}-dst.qmp",  # type: ignore[arg-type]
-                              incoming=f"tcp:127.0.0.1:{port}")
-        src = runner.guest(f"{tag}-src", src_cfg, ctx.log(f"{tag}-src"))
-        dst = runner.guest(f"{tag}-dst", dst_cfg, ctx.log(f"{tag}-dst"))
-        if ctx.shell.dry_run:
-            src.start()
-            dst.start()
-            return {}
-        with src, dst:
-            src.wait_for(rf"^{EVENT} ready$", params.timeout_s)
-            qs, qd = Qmp(src_cfg.qmp_socket), Qmp(dst_cfg.qmp_socket)  # type: ignore[arg-type]
+        tag = f"migrate-{workload}-{variant.name}-{rnd}"
+        src_qmp, dst_qmp = ctx.run_dir / f"{tag}-src.qmp", ctx.run_dir / f"{tag}-dst.qmp"
+        with harness.start(ctx, variant, f"{tag}-src", plan, qmp_socket=src_qmp) as src, \
+                harness.start(ctx, variant, f"{tag}-dst", plan, qmp_socket=dst_qmp,
+                              incoming=f"tcp:127.0.0.1:{port}") as dst:
+            if src is None or dst is None:
+                return {}
+            src.mark("ready")
+            qs, qd = Qmp(src_qmp), Qmp(dst_qmp)
             try:
                 qs.execute("migrate-set-capabilities", capabilities=[
                     {"capability": "auto-converge", "state": params.auto_converge}])
@@ -112,10 +113,14 @@ class Migrate(Scenario):
                         raise LabError(f"{tag}: destination is {state.get('status')}, "
                                        "not running, 30 s after the source completed")
                     time.sleep(0.1)
-                dst.wait_for(rf"^{EVENT} alive$", 30)
+                dst.guest.wait_for(rf"^{EVENT} alive$", 30)
             finally:
                 qs.close()
                 qd.close()
+        for end in (src, dst):
+            warnings = harness.kernel_warnings(end.booted.lines)
+            if warnings:
+                raise end.booted.error(f"kernel warned: {warnings[0].strip()}")
         ram = info.get("ram", {})
         return {
             "total_time_ms": info.get("total-time"),
@@ -128,17 +133,17 @@ class Migrate(Scenario):
         }
 
     def run(self, ctx: RunContext, params: MigrateParams) -> Outcome:
-        if ctx.platform != "qemu":
-            raise LabError("migrate needs QEMU: run it with --platform qemu")
+        variants = harness.pick(self.name, "migrate", VARIANTS)
         results: dict[str, dict[str, list[dict]]] = {
             w: {v: [] for v in VARIANTS} for w in params.workloads}
         failures: dict[str, dict[str, list[str]]] = {
             w: {v: [] for v in VARIANTS} for w in params.workloads}
         for rnd in range(params.rounds):
             for workload in params.workloads:
-                for variant in abba(VARIANTS, rnd):
+                for v in harness.order(variants, rnd):
+                    variant = v.name
                     try:
-                        rec = self.one(ctx, params, workload, variant, rnd)
+                        rec = self.one(ctx, params, workload, v, rnd)
                     except LabError as exc:
                         # a crashed destination is a result, not a reason to stop
                         print(f"migrate {workload}/{variant} round {rnd}: FAILED: "

@@ -14,11 +14,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..context import RunContext
+from ..guestshell import BALLOON_BOUND, reporting_snapshot
 from ..initramfs import EVENT
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, table
-from .churn import BALLOON_BOUND, REPORTING_SNAPSHOT, boot_variant, check_variants, rotation, spread
+from .churn import measured_boots, spread
 
 
 @dataclass
@@ -34,7 +35,7 @@ class PagefaultParams:
 
 def pagefault_script(p: PagefaultParams) -> str:
     return "\n".join([
-        BALLOON_BOUND, REPORTING_SNAPSHOT.rstrip("\n"),
+        BALLOON_BOUND, reporting_snapshot(),
         f"sleep {p.settle_s}",
         "reporting before",
         f"echo {EVENT} start",
@@ -68,18 +69,11 @@ class Pagefault(Scenario):
     Params = PagefaultParams
 
     def run(self, ctx: RunContext, params: PagefaultParams) -> Outcome:
-        check_variants(self.name, params.variants)
-        script = pagefault_script(params)
         runs: dict[str, list[float]] = {v: [] for v in params.variants}
         delays: dict[str, list[int | None]] = {v: [] for v in params.variants}
-        for rnd in range(params.repeat):
-            for variant in rotation(params.variants, rnd):
-                tag = f"pagefault-{ctx.platform}-{variant}-{rnd}"
-                boot = boot_variant(ctx, variant, tag, f"pagefault-{ctx.platform}", script,
-                                    params.mem_mib, params.timeout_s)
-                if boot is not None:
-                    runs[variant].append(faults_per_s(boot.records))
-                    delays[variant].append(boot.current_delay_ms)
+        for boot in measured_boots(ctx, self.name, params, pagefault_script(params)):
+            runs[boot.variant].append(faults_per_s(boot.records))
+            delays[boot.variant].append(boot.current_delay_ms)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         summary = summarise_pagefault(runs)

@@ -35,60 +35,33 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from .. import harness, platforms
 from ..context import RunContext
+from ..guestshell import (
+    BENCH_PROG,
+    PREZERO_COUNTERS,
+    bench_function,
+    pcp_high_fraction,
+    prezero_helpers,
+    require_prezero,
+    thp,
+)
 from ..initramfs import EVENT
-from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
-from . import Outcome, Scenario, abba, run_checked, table
-from .zerobench import BENCH_PATCH, BENCH_PROG, RUN
-from .zeroskip import LIMIT_PATCH
+from . import Outcome, Scenario, table
+from .zerobench import BENCH_PATCH
 
-PREZERO_DIR = "/sys/kernel/mm/prezero"
-COUNTERS = ("pgzero_marked_prezero", "pgzero_prezero_aborted", "pgzero_prezero_hugetlb",
-            "pgzero_skipped", "pgzero_missed", "pgzero_merge_lost", "pgzero_verify_failed",
-            "pgzero_marked_reported", "pgzero_prezero_scans")
+COUNTERS = PREZERO_COUNTERS
 VARIANTS = ("vanilla", "off", "on", "limit")
 PLATFORM_MODES = {"uml": ("4k", "kzero9", "kzero0"), "qemu": ("thp", "4k", "hugetlb")}
 POPULATE_MODES = ("4k", "thp", "hugetlb")
 HUGE_PAGE_MIB = 2
-# below this growth (pages per second) the pool counts as warm: 1 MiB/s
-SETTLED_PAGES_PER_S = 256
 EVENT_RE = re.compile(rf"^{EVENT} (\S+) (\S+)((?: \S+ -?\d+)*)\s*$")
-
-
-def shell_helpers(stable_s: int = 3) -> str:
-    """Shell functions of every pre-zeroing guest script.
-
-    vm: the counters on one line; ev NAME MODE: an event line with them;
-    knob NAME VALUE: set a pre-zeroing knob if the kernel has it;
-    prezero_wait TIMEOUT: until the thread's counters grew by less than
-    SETTLED_PAGES_PER_S a second for `stable_s` seconds in a row (the poll
-    itself forks and frees a few dirty pages each second, which the thread
-    clears, so they never stand quite still; without a thread: after that
-    idle time), prints "<EVENT> waited <mode> seconds <n>".
-    """
-    counters = "|".join(COUNTERS)
-    return f"""vm() {{ grep -E '^({counters}) ' /proc/vmstat | tr '\\n' ' '; }}
-ev() {{ echo "{EVENT} $1 $2 $(vm)"; }}
-knob() {{ if [ -w {PREZERO_DIR}/$1 ]; then echo $2 > {PREZERO_DIR}/$1; fi; }}
-prezero_wait() {{
-\tprev=-1; stable=0; waited=0
-\twhile [ $stable -lt {stable_s} ] && [ $waited -lt $1 ]; do
-\t\tsleep 1; waited=$((waited + 1))
-\t\tcur=$(awk '/^pgzero_(marked_prezero|prezero_hugetlb) /{{s += $2}} END{{print s + 0}}' \\
-\t\t\t/proc/vmstat)
-\t\tif [ $((cur - prev)) -lt {SETTLED_PAGES_PER_S} ]; then stable=$((stable + 1))
-\t\telse stable=0; fi
-\t\tprev=$cur
-\tdone
-\techo "{EVENT} waited ${{2:-all}} seconds $waited"
-}}
-"""
 
 
 def parse_events(lines: Sequence[str]) -> list[tuple[str, str, dict[str, int]]]:
@@ -150,8 +123,8 @@ def check_params(p: PrezeroParams, platform: str) -> tuple[str, ...]:
         order = kzero_order(mode)
         if mode not in POPULATE_MODES and (order is None or order > 10):
             raise LabError(f"prezero: unknown mode {mode!r}: 4k, thp, hugetlb, kzero<0..10>")
-        if platform == "uml" and mode in ("thp", "hugetlb"):
-            raise LabError(f"prezero: UML has no {mode}")
+        if mode in POPULATE_MODES and mode not in platforms.platform(platform).populate_modes:
+            raise LabError(f"prezero: {platform} has no {mode}")
     if not modes:
         raise LabError("prezero: no modes")
     if p.populate_mib >= p.mem_mib or p.populate_mib % HUGE_PAGE_MIB or p.repeat < 1:
@@ -190,19 +163,14 @@ def mode_lines(p: PrezeroParams, mode: str, variant: str) -> list[str]:
 
 def guest_script(p: PrezeroParams, modes: Sequence[str], variant: str) -> str:
     lines = [
-        shell_helpers(p.stable_s),
-        "bench() {",
-        "\tdmesg -c > /dev/null",
-        f"\techo \"$*\" > {RUN} || {{ echo \"prezero: '$*' failed\" >&2; exit 4; }}",
-        f"\tdmesg -c | sed -n 's/^.*\\({{\"prog\":\"{BENCH_PROG}\".*}}\\)[[:space:]]*$/\\1/p'",
-        "}",
-        "[ -w /sys/kernel/mm/transparent_hugepage/enabled ] && "
-        "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled || true",
+        prezero_helpers(p.stable_s),
+        bench_function("prezero"),
+        thp("madvise"),
     ]
     if p.pcp_high_fraction > 0:
-        lines.append(f"echo {p.pcp_high_fraction} > /proc/sys/vm/percpu_pagelist_high_fraction")
+        lines.append(pcp_high_fraction(p.pcp_high_fraction))
     if variant == "on":
-        lines += [f"[ -d {PREZERO_DIR} ] || {{ echo 'prezero: no {PREZERO_DIR}' >&2; exit 3; }}",
+        lines += [require_prezero("prezero"),
                   f"[ {p.min_order} -lt 0 ] || knob min_order {p.min_order}",
                   "knob enabled 1"]
     for mode in modes:
@@ -211,23 +179,16 @@ def guest_script(p: PrezeroParams, modes: Sequence[str], variant: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def kernel_for(ctx: RunContext, variant: str, modes: Sequence[str]) -> Path:
-    """The variant's kernel; with the in-kernel benchmark if a kzero mode needs it."""
-    patches: tuple[str, ...] = (BENCH_PATCH,) if any(kzero_order(m) is not None
-                                                      for m in modes) else ()
-    if variant == "limit":
-        patches += (LIMIT_PATCH,)
-    return ctx.kernel(patched=variant != "vanilla", extra_patches=patches)
+def variant_for(variant: harness.Variant, modes: Sequence[str]) -> harness.Variant:
+    """The variant's kernel carries the in-kernel benchmark if a kzero mode needs it."""
+    if any(kzero_order(m) is not None for m in modes):
+        return replace(variant, extra_patches=(BENCH_PATCH, *variant.extra_patches))
+    return variant
 
 
-def icount_args(ctx: RunContext, icount: bool) -> list[str]:
-    if ctx.platform != "qemu" or not icount:
-        return []
-    accel = getattr(ctx.runner(), "accel", None)
-    if accel != "tcg":
-        raise LabError(f"prezero: -icount needs QEMU TCG, not {accel}: add --accel tcg "
-                       "or --param icount=false")
-    return ["-icount", "shift=0,sleep=off"]
+def counts_instructions(ctx: RunContext, icount: bool) -> bool:
+    """Guest time counts instructions (QEMU TCG -icount) in this run."""
+    return icount and bool(ctx.machine.icount)
 
 
 @dataclass
@@ -242,31 +203,25 @@ class Measure:
 class Prezero(Scenario):
     name = "prezero"
     Params = PrezeroParams
+    platforms = tuple(PLATFORM_MODES)
 
-    def _guest(self, ctx: RunContext, p: PrezeroParams, modes: Sequence[str], variant: str,
-               rep: int, extra: list[str]) -> list[Measure]:
-        cfg = GuestConfig(kernel=kernel_for(ctx, variant, modes),
-                          initrd=ctx.initrd(f"prezero-{ctx.platform}-{variant}",
-                                            guest_script(p, modes, variant)),
-                          mem_mib=p.mem_mib, balloon=False, extra_args=list(extra))
-        guest = run_checked(ctx, cfg, f"prezero-{ctx.platform}-{variant}-{rep}", "prezero",
-                            p.timeout_s)
-        if guest is None:
-            return []
-        events = parse_events([ln.text for ln in guest.lines])
-        pops = [r for r in guest.json_records("populate") if r["tag"] == "measure"]
-        bad = [r for r in pops if r["nonzero_bytes"] and variant != "limit"]
+    @staticmethod
+    def _guest(modes: Sequence[str], guest: harness.Booted) -> list[Measure]:
+        variant_name = guest.variant.name
+        events = parse_events(guest.lines)
+        pops = [r for r in guest.records("populate") if r["tag"] == "measure"]
+        bad = [r for r in pops if r["nonzero_bytes"] and variant_name != "limit"]
         if bad:
             raise guest.error(f"prezero: {bad[0]['nonzero_bytes']} non-zero bytes in a "
                               f"{bad[0]['mode']} populate: a page called zero was not")
-        zeros = [r for r in guest.json_records(BENCH_PROG) if r.get("test") == "zero"]
+        zeros = [r for r in guest.records(BENCH_PROG) if r.get("test") == "zero"]
         out = []
         for mode in modes:
             order = kzero_order(mode)
             if order is None:
                 rec = next(r for r in pops if r["mode"] == mode)
                 ms, nonzero = rec["populate_ns"] / 1e6, rec["nonzero_bytes"]
-            elif variant == "limit":
+            elif variant_name == "limit":
                 continue
             else:
                 krec = next(r for r in zeros if int(r["order"]) == order)
@@ -278,20 +233,26 @@ class Prezero(Scenario):
         return out
 
     def run(self, ctx: RunContext, params: PrezeroParams) -> Outcome:
-        if ctx.platform not in PLATFORM_MODES:
-            raise LabError(f"prezero runs on {' or '.join(PLATFORM_MODES)}, not {ctx.platform}")
         modes = check_params(params, ctx.platform)
-        extra = icount_args(ctx, params.icount)
+        if counts_instructions(ctx, params.icount):
+            harness.check_icount(ctx, self.name)
+        variants = harness.pick(self.name, "prezero", params.variants)
         if "bench.config" not in ctx.extra_fragments:
             print("prezero: no --fragment bench.config: the series' debug check reads every "
                   "page it skips clearing; numbers are not representative", flush=True)
         runs: dict[str, list[Measure]] = {v: [] for v in params.variants}
-        for rep in range(params.repeat):
-            for variant in abba(params.variants, rep):
-                runs[variant] += self._guest(ctx, params, modes, variant, rep, extra)
+
+        def plan(variant: harness.Variant) -> harness.Plan:
+            return self.plan(params, guest_script(params, modes, variant.name),
+                             f"prezero-{ctx.platform}-{variant.name}",
+                             icount=counts_instructions(ctx, params.icount))
+
+        for booted in harness.rounds(ctx, [variant_for(v, modes) for v in variants],
+                                     params.repeat, f"prezero-{ctx.platform}", plan):
+            runs[booted.variant.name] += self._guest(modes, booted)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
-        unit = "instructions (1e-6)" if extra else "ms"
+        unit = "instructions (1e-6)" if counts_instructions(ctx, params.icount) else "ms"
         data = summarise_run(params, modes, runs)
         data.update(platform=ctx.platform, time_unit=unit)
         ctx.save(f"prezero-{ctx.platform}", data)

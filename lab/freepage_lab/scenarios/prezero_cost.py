@@ -46,17 +46,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import harness
 from ..context import RunContext
+from ..guestshell import kcpu_function, kcpu_snapshot, prezero_helpers, require_prezero
 from ..initramfs import EVENT
-from ..runners import GuestConfig
 from ..shell import LabError, Shell
 from ..stats import fmt_ratio, median_ratio, summarise
-from . import Outcome, Scenario, abba, run_checked, table
-from .prezero import PREZERO_DIR, shell_helpers
+from . import Outcome, Scenario, table
 
-VARIANTS = ("off", "nt", "cached")
+VARIANTS = tuple(harness.family("prezero_cost"))
 NOCACHE = {"nt": 1, "cached": 0}
-TICK_S = 0.01  # USER_HZ
 LLC = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
 
 
@@ -90,39 +89,11 @@ class PrezeroCostParams:
     hold_cpu: int = 0
 
 
-def kcpu_function() -> str:
-    """Shell function kcpu: prints kprezerod's CPU time in ns and where it
-    came from: "schedstat" (the scheduler's runtime, CONFIG_SCHED_INFO,
-    which bench.config turns on; exact where sched_clock() is, e.g. x86,
-    in jiffies on UML), "ticks" (utime + stime, which miss a thread that
-    runs between ticks) or "none" (no thread yet: exactly 0)."""
-    return "\n".join([
-        "kcpu() {",
-        "\tfor s in /proc/[0-9]*/stat; do",
-        "\t\tcase \"$(cat $s 2>/dev/null)\" in *'(kprezerod)'*)",
-        "\t\t\tif [ -r ${s%/stat}/schedstat ]; then",
-        "\t\t\t\techo \"$(cut -d' ' -f1 ${s%/stat}/schedstat) schedstat\"",
-        "\t\t\telse",
-        f"\t\t\t\techo \"$(awk '{{print ($14 + $15) * {int(TICK_S * 1e9)}}}' $s) ticks\"",
-        "\t\t\tfi; return;; esac",
-        "\tdone",
-        "\techo '0 none'",
-        "}",
-    ])
-
-
-def kcpu_snapshot(prefix: str) -> str:
-    """A shell line that echoes `prefix` followed by "cpu_ns N exact 0|1"
-    (exact: not from ticks), for kcpu_function()'s kcpu."""
-    return (f"set -- $(kcpu); echo \"{prefix} cpu_ns $1 exact "
-            "$([ \"$2\" = ticks ] && echo 0 || echo 1)")
-
-
 def guest_script(p: PrezeroCostParams, variant: str, wss_kib: int) -> str:
     lines = [
-        shell_helpers(),
+        prezero_helpers(),
         kcpu_function(),
-        f"[ -d {PREZERO_DIR} ] || {{ echo 'prezero_cost: no {PREZERO_DIR}' >&2; exit 3; }}",
+        require_prezero("prezero_cost"),
     ]
     if variant in NOCACHE:
         lines += [f"knob nocache {NOCACHE[variant]}", "knob enabled 1"]
@@ -197,21 +168,14 @@ def cpu_held(shell: Shell, cpu: int) -> Iterator[None]:
 class PrezeroCost(Scenario):
     name = "prezero_cost"
     Params = PrezeroCostParams
+    platforms = ("uml",)
+    needs = "native caches"
 
-    def _guest(self, ctx: RunContext, p: PrezeroCostParams, variant: str, rep: int,
-               wss_kib: int) -> list[Walk]:
-        cfg = GuestConfig(kernel=ctx.kernel(patched=True),
-                          initrd=ctx.initrd(f"prezero-cost-{variant}",
-                                            guest_script(p, variant, wss_kib)),
-                          mem_mib=p.mem_mib, balloon=False,
-                          host_cpu=p.host_cpu if p.host_cpu >= 0 else None)
-        guest = run_checked(ctx, cfg, f"prezero-cost-{variant}-{rep}", "prezero_cost",
-                            p.timeout_s)
-        if guest is None:
-            return []
-        walks = {int(r["tag"]): r for r in guest.json_records("cachewalk")}
+    @staticmethod
+    def _guest(guest: harness.Booted) -> list[Walk]:
+        walks = {int(r["tag"]): r for r in guest.records("cachewalk")}
         out = []
-        for i, (a, b) in sorted((k, v) for k, v in windows([ln.text for ln in guest.lines]).items()
+        for i, (a, b) in sorted((k, v) for k, v in windows(guest.lines).items()
                                 if len(v) == 2):
             share, exact = cpu_share(a, b)
             r = walks[i]
@@ -222,12 +186,7 @@ class PrezeroCost(Scenario):
         return out
 
     def run(self, ctx: RunContext, params: PrezeroCostParams) -> Outcome:
-        if ctx.platform != "uml":
-            raise LabError("prezero_cost runs on UML (native caches)")
-        unknown = [v for v in params.variants if v not in VARIANTS]
-        if unknown or not params.variants:
-            raise LabError(f"prezero_cost: unknown variants {unknown}; choose from "
-                           f"{', '.join(VARIANTS)}")
+        variants = harness.pick(self.name, "prezero_cost", params.variants)
         if params.pool_mib >= params.mem_mib:
             raise LabError("prezero_cost: pool_mib must be below mem_mib")
         ncpu = os.cpu_count() or 1
@@ -238,10 +197,15 @@ class PrezeroCost(Scenario):
         wss = params.wss_kib or host_llc_kib() or 32768
         runs: dict[str, list[Walk]] = {v: [] for v in params.variants}
         held = cpu_held(ctx.shell, params.host_cpu) if params.hold_cpu else nullcontext()
+
+        def plan(variant: harness.Variant) -> harness.Plan:
+            return self.plan(params, guest_script(params, variant.name, wss),
+                             f"prezero-cost-{variant.name}",
+                             host_cpu=params.host_cpu if params.host_cpu >= 0 else None)
+
         with held:
-            for rep in range(params.repeat):
-                for variant in abba(params.variants, rep):
-                    runs[variant] += self._guest(ctx, params, variant, rep, wss)
+            for booted in harness.rounds(ctx, variants, params.repeat, "prezero-cost", plan):
+                runs[booted.variant.name] += self._guest(booted)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         data = summarise_run(params, wss, runs)

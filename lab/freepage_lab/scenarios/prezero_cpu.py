@@ -23,14 +23,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import harness
 from ..context import RunContext
+from ..guestshell import PREZERO_DIR, kcpu_function, kcpu_snapshot, require_prezero
 from ..initramfs import EVENT
-from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import summarise
-from . import Outcome, Scenario, run_checked, table
-from .prezero import PREZERO_DIR, icount_args
-from .prezero_cost import kcpu_function, kcpu_snapshot
+from . import Outcome, Scenario, table
 
 
 @dataclass
@@ -56,19 +55,14 @@ def check_params(p: PrezeroCpuParams) -> None:
         raise LabError("prezero_cpu: pool_mib below mem_mib, window_s >= 1, repeat >= 1")
 
 
-def order(caps: tuple[int, ...], rep: int) -> list[int]:
-    """The caps of repetition `rep`, rotated so no cap always comes first."""
-    k = rep % len(caps)
-    return list(caps[k:] + caps[:k])
-
-
 def guest_script(p: PrezeroCpuParams) -> str:
     rest = (" uptime_ms $(awk '{printf \"%d\", $1 * 1000}' /proc/uptime) marked "
             "$(awk '/^pgzero_marked_prezero /{print $2}' /proc/vmstat)\"")
     lines = [kcpu_function(),
-             f"[ -d {PREZERO_DIR} ] || {{ echo 'prezero_cpu: no {PREZERO_DIR}' >&2; exit 3; }}"]
+             require_prezero("prezero_cpu")]
     for rep in range(p.repeat):
-        for cap in order(p.caps, rep):
+        # rotated, so that no cap always comes first
+        for cap in harness.order(p.caps, rep, rotate=True):
             lines += [
                 f"populate --mib {p.pool_mib} --mode 4k --fill 0xa5 --tag pool >/dev/null",
                 f"echo {cap} > {PREZERO_DIR}/cpu_percent",
@@ -144,19 +138,18 @@ def render(data: dict[str, Any]) -> str:
 class PrezeroCpu(Scenario):
     name = "prezero_cpu"
     Params = PrezeroCpuParams
+    platforms = ("qemu",)
+    needs = "UML's scheduler clock is jiffies"
 
     def run(self, ctx: RunContext, params: PrezeroCpuParams) -> Outcome:
-        if ctx.platform != "qemu":
-            raise LabError("prezero_cpu runs on QEMU (UML's scheduler clock is jiffies)")
         check_params(params)
-        cfg = GuestConfig(kernel=ctx.kernel(patched=True),
-                          initrd=ctx.initrd("prezero-cpu", guest_script(params)),
-                          mem_mib=params.mem_mib, balloon=False,
-                          extra_args=icount_args(ctx, params.icount))
-        guest = run_checked(ctx, cfg, "prezero-cpu", "prezero_cpu", params.timeout_s)
+        if params.icount:
+            harness.check_icount(ctx, self.name)
+        plan = self.plan(params, guest_script(params), "prezero-cpu", icount=params.icount)
+        guest = harness.boot(ctx, harness.family("prezero_cpu")["series"], "prezero-cpu", plan)
         if guest is None:
             return Outcome(self.name, {}, "(dry run)")
-        ws = windows([ln.text for ln in guest.lines], params.pool_mib)
+        ws = windows(guest.lines, params.pool_mib)
         if not ws:
             raise guest.error("prezero_cpu: no complete window in the guest's output")
         data = summarise_run(params, ws)

@@ -17,15 +17,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import harness
 from ..context import RunContext
-from ..footprint import Sampler, value_at
-from ..initramfs import EVENT
-from ..knobs import FLUSH
-from ..runners import GuestConfig
-from ..shell import LabError
+from ..footprint import value_at
+from ..guestshell import flush_if_present, pcp_high_fraction, prezero_helpers
 from ..stats import summarise
-from . import Outcome, Scenario, kernel_warnings, table
-from .prezero import parse_events, shell_helpers
+from . import Outcome, Scenario, table
+from .prezero import parse_events
 
 MIB = 1 << 20
 
@@ -43,10 +41,10 @@ class PrezeroFootprintParams:
 
 def guest_script(p: PrezeroFootprintParams) -> str:
     return "\n".join([
-        shell_helpers(),
-        "echo 1000 > /proc/sys/vm/percpu_pagelist_high_fraction",
+        prezero_helpers(),
+        pcp_high_fraction(1000),
         f"populate --mib {p.dirty_mib} --mode 4k --fill 0xa5 --tag dirty",
-        f"[ -w {FLUSH} ] && echo 1000000 > {FLUSH} || true",
+        flush_if_present(),
         f"sleep {p.settle_s}",
         f"knob min_order {p.min_order}",
         "ev off all",
@@ -71,41 +69,25 @@ class Window:
 class PrezeroFootprint(Scenario):
     name = "prezero_footprint"
     Params = PrezeroFootprintParams
+    platforms = ("uml",)
+    needs = "vhost-user-balloon, the memory file's blocks"
 
     def _guest(self, ctx: RunContext, p: PrezeroFootprintParams, rep: int) -> Window | None:
-        cfg = GuestConfig(kernel=ctx.kernel(patched=True),
-                          initrd=ctx.initrd("prezero-footprint", guest_script(p)),
-                          mem_mib=p.mem_mib)
-        tag = f"prezero-footprint-{rep}"
-        host = ctx.balloon_host(cfg, tag)
-        runner = ctx.balloon_runner(cfg, zeroing=True)
-        guest = runner.guest(tag, cfg, ctx.log(tag))
-        if ctx.shell.dry_run:
-            with host:
-                guest.start()
+        plan = self.plan(p, guest_script(p), "prezero-footprint",
+                         marks=("off all", "on all", "end all"), footprint_s=0.05)
+        guest = harness.boot(ctx, harness.family("prezero_footprint")["series"],
+                             f"prezero-footprint-{rep}", plan)
+        if guest is None:
             return None
-        with host, guest, Sampler(lambda: runner.footprint_bytes(guest)) as sampler:
-            marks = []
-            idx = 0
-            for name in ("off", "on", "end"):
-                idx, line, _ = guest.wait_for(rf"^{EVENT} {name} all", p.timeout_s, idx)
-                marks.append(line.t)
-            rc = guest.wait_exit(p.timeout_s)
-        if rc != 0:
-            raise guest.error(f"prezero_footprint: guest script failed (exit {rc})")
-        warnings = kernel_warnings(guest)
-        if warnings:
-            raise guest.error(f"prezero_footprint: kernel warned: {warnings[0]}")
-        events = {name: c for name, _, c in parse_events([ln.text for ln in guest.lines])}
-        fp = [value_at(sampler.samples, t) / MIB for t in marks]
+        marks = [guest.marks[f"{name} all"].line.t for name in ("off", "on", "end")]
+        events = {name: c for name, _, c in parse_events(guest.lines)}
+        fp = [value_at(guest.footprint, t) / MIB for t in marks]
         return Window(fp[1] - fp[0], fp[2] - fp[1], fp[2],
                       events["end"]["pgzero_marked_prezero"]
                       - events["on"]["pgzero_marked_prezero"],
                       events["end"].get("pgzero_marked_reported", 0))
 
     def run(self, ctx: RunContext, params: PrezeroFootprintParams) -> Outcome:
-        if ctx.platform != "uml":
-            raise LabError("prezero_footprint runs on UML with vhost-user-balloon")
         got = [self._guest(ctx, params, rep) for rep in range(params.repeat)]
         ws = [w for w in got if w is not None]
         if ctx.shell.dry_run or not ws:

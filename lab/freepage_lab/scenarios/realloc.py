@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from .. import harness
 from ..context import RunContext
+from ..guestshell import THP_ENABLED
 from ..initramfs import EVENT
 from ..plot import bar_plot
-from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import median_ratio, summarise
-from . import Outcome, Scenario, abba, table
+from . import Outcome, Scenario, table
 
 VARIANTS = ("backed", "reported")
 
@@ -38,7 +39,7 @@ class ReallocParams:
 
 def guest_script(p: ReallocParams) -> str:
     lines = [
-        "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled",
+        f"echo madvise > {THP_ENABLED}",
         f"populate --mib {p.prefault_mib} --mode 4k --fill 1 --tag prefault",
         f"sleep {p.wait_s}",
     ]
@@ -56,32 +57,22 @@ def guest_script(p: ReallocParams) -> str:
 class Realloc(Scenario):
     name = "realloc"
     Params = ReallocParams
+    platforms = ("qemu",)
+    needs = "THP in the guest"
 
     def run(self, ctx: RunContext, params: ReallocParams) -> Outcome:
-        if ctx.platform != "qemu":
-            raise LabError("realloc needs THP in the guest: run it with --platform qemu")
-        initrd = ctx.initrd("realloc", guest_script(params))
+        plan = self.plan(params, guest_script(params), "realloc")
+        ctx.initrd(plan.initrd, plan.script)
         samples: dict[str, dict[str, list[dict]]] = {v: {m: [] for m in params.modes}
                                                      for v in VARIANTS}
-        for rnd in range(params.rounds):
-            for variant in abba(VARIANTS, rnd):
-                cfg = GuestConfig(kernel=ctx.kernel(), initrd=initrd, mem_mib=params.mem_mib,
-                                  free_page_reporting=(variant == "reported"))
-                guest = ctx.balloon_runner(cfg).guest(f"realloc-{variant}-{rnd}", cfg,
-                                     ctx.log(f"realloc-{variant}-{rnd}"))
-                if ctx.shell.dry_run:
-                    guest.start()
-                    continue
-                with guest:
-                    rc = guest.wait_exit(params.timeout_s)
-                if rc != 0:
-                    raise guest.error(f"realloc: guest script failed (exit {rc})")
-                for rec in guest.json_records("populate"):
-                    if rec["tag"] == "measure":
-                        if rec["nonzero_bytes"]:
-                            raise LabError(f"realloc: {rec['nonzero_bytes']} non-zero bytes in "
-                                           f"freshly populated memory ({guest.log_path})")
-                        samples[variant][rec["mode"]].append(rec)
+        variants = harness.pick(self.name, "realloc", VARIANTS)
+        for booted in harness.rounds(ctx, variants, params.rounds, "realloc", plan):
+            for rec in booted.records("populate"):
+                if rec["tag"] == "measure":
+                    if rec["nonzero_bytes"]:
+                        raise LabError(f"realloc: {rec['nonzero_bytes']} non-zero bytes in "
+                                       f"freshly populated memory ({booted.guest.log_path})")
+                    samples[booted.variant.name][rec["mode"]].append(rec)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         data: dict = {"platform": ctx.platform, "params": asdict(params), "modes": {}}

@@ -1,8 +1,9 @@
 """reclaim: the guest populates X MiB, frees it; how fast does the host get it back?
 
-Variants, each a guest kernel on the same host side (Debian's QEMU for
-qemu, vhost-user-balloon for uml), booted in turn, `repeat` times each,
-the order rotated per repeat so that drift hits every variant alike:
+Variants (harness.FAMILIES["reporting"]), each a guest kernel on the same
+host side (Debian's QEMU for qemu, vhost-user-balloon without zeroing bits
+for uml), booted in turn, `repeat` times each, the order rotated per
+repeat so that drift hits every variant alike:
 
   off       stock 6.12, the device does not offer free page reporting
   stock     stock 6.12 (2 s delay, 1/16 of each free list per pass)
@@ -16,49 +17,31 @@ from __future__ import annotations
 
 import re
 import statistics
-from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
+from .. import harness
 from ..context import RunContext
-from ..footprint import Sample, Sampler, analyse_reclaim, value_at
-from ..guest import Guest
+from ..footprint import Sample, analyse_reclaim, value_at
+from ..guestshell import (
+    BALLOON_BOUND,
+    COUNTER_TAG,
+    REPORTING_DIR,
+    pcp_high_fraction,
+    reporting_counters,
+    thp,
+)
 from ..initramfs import EVENT
 from ..plot import timeline_plot
-from ..runners import GuestConfig, Runner
 from ..shell import LabError
 from . import Outcome, Scenario, fmt_s, table
 
 MIB = 1 << 20
-BALLOON_BOUND = ("ls -d /sys/bus/virtio/drivers/virtio_balloon/virtio* >/dev/null 2>&1 || "
-                 "{ echo 'no virtio_balloon device bound' >&2; exit 4; }")
-REPORTING_SYSFS = "/sys/kernel/mm/page_reporting"
-# the series' counters, read once at the end of a boot
-REPORTING_COUNTERS = ("passes", "time_us", "reported_pages", "pcp_drained_pages", "reused_pages")
-COUNTER_TAG = "REPORTING-COUNTER"
-STOCK250_PATCH = "stock-delay-250ms.patch"
 # reclaim goals: (fraction of the freed memory, within seconds of the free)
 GOALS = ((0.90, 1.0), (0.99, 2.0))
 
 
-@dataclass(frozen=True)
-class Variant:
-    """A guest kernel and whether the device offers free page reporting."""
-
-    name: str
-    patched: bool
-    extra_patches: tuple[str, ...] = ()
-    reporting: bool = True
-
-
-VARIANTS = {v.name: v for v in (
-    Variant("off", patched=False, reporting=False),
-    Variant("stock", patched=False),
-    Variant("stock250", patched=False, extra_patches=(STOCK250_PATCH,)),
-    Variant("freepage", patched=True),
-)}
-CONTEXT = "context"
+CONTEXT = harness.CONTEXT.name
 
 
 @dataclass
@@ -89,10 +72,9 @@ def rounds_of(p: ReclaimParams) -> list[str]:
 
 def guest_script(p: ReclaimParams) -> str:
     lines = [BALLOON_BOUND, "echo 3 > /proc/sys/vm/drop_caches",
-             "[ -w /sys/kernel/mm/transparent_hugepage/enabled ] && "
-             "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled || true"]
+             thp("madvise")]
     if p.pcp_high_fraction:
-        lines.append(f"echo {p.pcp_high_fraction} > /proc/sys/vm/percpu_pagelist_high_fraction")
+        lines.append(pcp_high_fraction(p.pcp_high_fraction))
     for i, mode in enumerate(rounds_of(p)):
         lines += [
             f"echo {EVENT} populate {i}",
@@ -100,9 +82,7 @@ def guest_script(p: ReclaimParams) -> str:
             f"echo {EVENT} freed {i}",
             f"sleep {p.settle_s}",
         ]
-    names = " ".join(REPORTING_COUNTERS)
-    lines.append(f"for f in {names}; do [ -r {REPORTING_SYSFS}/$f ] && "
-                 f"echo \"{COUNTER_TAG} $f $(cat {REPORTING_SYSFS}/$f)\"; done; true")
+    lines.append(reporting_counters())
     return "\n".join(lines) + "\n"
 
 
@@ -115,15 +95,6 @@ def parse_counters(lines: list[str]) -> dict[str, int | list[int]]:
             continue
         nums = [int(x) for x in m.group(2).split()]
         out[m.group(1)] = nums if len(nums) > 1 else nums[0]
-    return out
-
-
-def order_of_boots(variants: tuple[str, ...], repeat: int) -> list[tuple[int, str]]:
-    """(repeat, variant) in boot order: variants rotated by one per repeat."""
-    out = []
-    n = len(variants)
-    for r in range(repeat):
-        out += [(r, variants[(r + i) % n]) for i in range(n)]
     return out
 
 
@@ -145,81 +116,53 @@ class ReclaimScenario(Scenario):
     Params = ReclaimParams
 
     def run(self, ctx: RunContext, params: ReclaimParams) -> Outcome:
-        for v in params.variants:
-            if v != CONTEXT and v not in VARIANTS:
-                raise LabError(f"reclaim: unknown variant {v!r}; choose from "
-                               f"{', '.join([*VARIANTS, CONTEXT])}")
+        known = harness.family("reporting")
+        for name in params.variants:
+            if name != CONTEXT and name not in known:
+                raise LabError(f"reclaim: unknown variant {name!r}; choose from "
+                               f"{', '.join([*known, CONTEXT])}")
         if not params.variants or params.repeat < 1 or params.rounds < 1:
             raise LabError("reclaim: needs at least one variant, repeat >= 1 and rounds >= 1")
-        initrd = ctx.initrd("reclaim", guest_script(params))
-        if ctx.shell.dry_run:
-            for v in params.variants:
-                _, host, guest = self._guest(ctx, params, v, 0, initrd)
-                with host:
-                    guest.start()
+        variants = [harness.CONTEXT if n == CONTEXT else known[n] for n in params.variants]
+        n = len(rounds_of(params))
+        plan = self.plan(params, guest_script(params), "reclaim",
+                         marks=tuple(f"{what} {i}" for i in range(n)
+                                     for what in ("populate", "freed")),
+                         footprint_s=params.interval_s, huge_s=0.1)
+        ctx.initrd(plan.initrd, plan.script)
+        if ctx.shell.dry_run:  # each variant's command line once
+            for v in variants:
+                harness.boot(ctx, v, f"reclaim-{v.name}-0", plan)
             return Outcome(self.name, {}, "(dry run)")
-        boots = [self._boot(ctx, params, v, r, initrd)
-                 for r, v in order_of_boots(params.variants, params.repeat)]
+        boots = []
+        for rep in range(params.repeat):
+            for v in harness.order(variants, rep, rotate=True):
+                print(f"reclaim: {v.name}, repeat {rep + 1}/{params.repeat}", flush=True)
+                booted = harness.boot(ctx, v, f"reclaim-{v.name}-{rep}", plan)
+                assert booted is not None
+                boots.append(self._boot(params, booted, rep))
         return self._report(ctx, params, boots)
 
-    def _guest(self, ctx: RunContext, params: ReclaimParams, variant: str, rep: int,
-               initrd: Path) -> tuple[Runner, AbstractContextManager[object], Guest]:
-        name = f"reclaim-{variant}-{rep}"
-        if variant == CONTEXT:
-            cfg = GuestConfig(kernel=ctx.kernel(), initrd=initrd, mem_mib=params.mem_mib)
-            runner = ctx.balloon_runner(cfg)
-            host = ctx.balloon_host(cfg, name)
-        else:
-            v = VARIANTS[variant]
-            cfg = GuestConfig(kernel=ctx.kernel(patched=v.patched, extra_patches=v.extra_patches),
-                              initrd=initrd, mem_mib=params.mem_mib)
-            if ctx.platform == "uml":
-                runner = ctx.runner()
-                host = ctx.balloon_host(cfg, name, () if v.reporting else ("--no-reporting",))
-            else:
-                # Debian's QEMU for every variant: only the guest kernel differs
-                runner = ctx.runner(patched_qemu=False)
-                host = ctx.balloon_host(cfg, name)
-                cfg.balloon = False
-                onoff = "on" if v.reporting else "off"
-                cfg.extra_args = ["-device",
-                                  f"virtio-balloon-pci,id=balloon0,free-page-reporting={onoff}"]
-        return runner, host, runner.guest(name, cfg, ctx.log(name))
-
-    def _boot(self, ctx: RunContext, params: ReclaimParams, variant: str, rep: int,
-              initrd: Path) -> Boot:
-        runner, host, guest = self._guest(ctx, params, variant, rep, initrd)
-        print(f"reclaim: {variant}, repeat {rep + 1}/{params.repeat}", flush=True)
+    def _boot(self, params: ReclaimParams, booted: harness.Booted, rep: int) -> Boot:
         n = len(rounds_of(params))
-        with host, guest, Sampler(lambda: runner.footprint_bytes(guest),
-                                  params.interval_s) as sampler, \
-                Sampler(lambda: runner.huge_backing_bytes(guest), 0.1) as huge:
-            populate, freed = [], []
-            idx = 0
-            for i in range(n):
-                idx, line, _ = guest.wait_for(rf"^{EVENT} populate {i}$", params.timeout_s, idx)
-                populate.append(line.t)
-                idx, line, _ = guest.wait_for(rf"^{EVENT} freed {i}$", params.timeout_s, idx)
-                freed.append(line.t)
-            rc = guest.wait_exit(params.timeout_s)
-        if rc != 0:
-            raise guest.error(f"reclaim: guest script failed (exit {rc})")
-        samples = sampler.samples
+        populate = [booted.marks[f"populate {i}"].line.t for i in range(n)]
+        freed = [booted.marks[f"freed {i}"].line.t for i in range(n)]
+        samples = booted.footprint
         freed_bytes = params.populate_mib * MIB
-        t0 = guest.started
+        t0 = booted.guest.started
         ends = [*populate[1:], samples[-1].t if samples else float("inf")]
         rounds = []
         for i, (mode, tp, tf, te) in enumerate(zip(rounds_of(params), populate, freed, ends)):
             part = [s for s in samples if tp <= s.t < te]
             r = analyse_reclaim(part, tf, freed_bytes)
             rounds.append(asdict(r) | {"t_freed_s": tf - t0, "mode": mode, "round": i}
-                          | _backing(samples, huge.samples, tp, tf, te))
-        return Boot(variant, rep, rounds, sampler.rate_hz(),
+                          | _backing(samples, booted.huge, tp, tf, te))
+        return Boot(booted.variant.name, rep, rounds, booted.footprint_hz,
                     {"t_s": [s.t - t0 for s in samples],
                      "footprint_mib": [s.bytes / MIB for s in samples]},
-                    {"t_s": [s.t - t0 for s in huge.samples],
-                     "anon_huge_mib": [s.bytes / MIB for s in huge.samples]},
-                    parse_counters([ln.text for ln in guest.lines]))
+                    {"t_s": [s.t - t0 for s in booted.huge],
+                     "anon_huge_mib": [s.bytes / MIB for s in booted.huge]},
+                    parse_counters(booted.lines))
 
     def _report(self, ctx: RunContext, params: ReclaimParams, boots: list[Boot]) -> Outcome:
         rates = [b.sample_rate_hz for b in boots]
@@ -268,7 +211,7 @@ class ReclaimScenario(Scenario):
             text += "\n\nhost THP backing (AnonHugePages of the VMM, MiB, median)\n" + \
                 backing_table(summary, params.modes)
         for v, counters in data["reporting_counters"].items():
-            text += f"\n\n{v}: {REPORTING_SYSFS} at the end of each boot\n" + "\n".join(
+            text += f"\n\n{v}: {REPORTING_DIR} at the end of each boot\n" + "\n".join(
                 "  " + ", ".join(f"{k}={_fmt_counter(c)}" for k, c in cs.items())
                 for cs in counters)
         ctx.save(label, data)

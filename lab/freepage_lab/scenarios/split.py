@@ -35,18 +35,18 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import harness
 from ..context import RunContext
-from ..runners import GuestConfig
 from ..shell import LabError
 from ..stats import median_ratio
-from . import Outcome, Scenario, abba, table
+from . import Outcome, Scenario, table
 
 STATS_PATCH = "split-walk-stats.patch"
 STATS = "/sys/module/kvm/parameters/split_walk_stats"
 BACKINGS = ("anonymous", "anonymous_thp", "anonymous_hugetlb")
 # opt-in: 1 GiB blocks (a boot-time pool of 1 GiB pages in the L1 guest)
 HUGE_1G = "anonymous_hugetlb_1gb"
-VARIANTS = ("stock", "series")
+VARIANTS = tuple(harness.family("split"))
 MODE_P40V48_4K = 6  # dirty_log_perf_test -m: 4 KiB guest pages
 MAX_MIB = 4096
 LEVELS = 4  # levels 0-3 of a 4 KiB granule, 48-bit input address
@@ -185,11 +185,11 @@ def render(cases: list[dict[str, Any]]) -> str:
 class Split(Scenario):
     name = "split"
     Params = Params
+    platforms = ("arm64",)
+    needs = "KVM arm64 inside the guest"
 
     def run(self, ctx: RunContext, params: Any) -> Outcome:
         p: Params = params
-        if ctx.platform != "arm64":
-            raise LabError("split: runs on --platform arm64 (KVM arm64 inside the guest)")
         for b in p.backings:
             if b not in (*BACKINGS, HUGE_1G):
                 raise LabError(f"split: unknown backing {b!r}; choose from "
@@ -202,32 +202,26 @@ class Split(Scenario):
             raise LabError(f"split: mib must be even, 2..{MAX_MIB}")
         if p.kvm_mode not in ("vhe", "nvhe"):
             raise LabError("split: kvm_mode is vhe or nvhe")
-        kernels = {v: ctx.kernel(patched=v == "series", extra_patches=(STATS_PATCH,))
-                   for v in VARIANTS}
-        initrd = ctx.initrd("split", guest_script(p))
+        variants = [v.with_patches(STATS_PATCH) for v in harness.pick(self.name, "split", VARIANTS)]
+        for v in variants:
+            harness.kernel(ctx, v)
         mem = p.mem_mib or max(1024, 2 * p.mib + 512)
         cmdline = ["kvm-arm.mode=nvhe"] if p.kvm_mode == "nvhe" else []
         if HUGE_1G in p.backings:
             # 1 GiB pages are only sure to be found at boot
             cmdline += ["hugepagesz=1G", f"hugepages={p.mib // 1024}", "hugepagesz=2M"]
             mem = p.mem_mib or mem + p.mib
+        plan = self.plan(p, guest_script(p), "split", mem_mib=mem, cmdline=tuple(cmdline),
+                         icount=True, smp=1)
+        ctx.initrd(plan.initrd, plan.script)
         samples: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
         for rnd in range(p.rounds):
-            for variant in abba(VARIANTS, rnd):
-                cfg = GuestConfig(kernel=kernels[variant], initrd=initrd, mem_mib=mem,
-                                  cmdline=cmdline, balloon=False, icount=True, smp=1)
-                name = f"split-{variant}-r{rnd}"
-                guest = ctx.runner().guest(name, cfg, ctx.log(name))
-                if ctx.shell.dry_run:
-                    guest.start()
-                    continue
-                print(f"split: round {rnd + 1}/{p.rounds}, {variant}", flush=True)
-                with guest:
-                    rc = guest.wait_exit(p.timeout_s)
-                    recs = guest.json_records("split")
-                if rc != 0:
-                    raise LabError(f"split: guest script failed (exit {rc}); see {guest.log_path}")
-                samples[variant] += [parse_record(r) for r in recs]
+            for variant in harness.order(variants, rnd):
+                if not ctx.shell.dry_run:
+                    print(f"split: round {rnd + 1}/{p.rounds}, {variant.name}", flush=True)
+                booted = harness.boot(ctx, variant, f"split-{variant.name}-r{rnd}", plan)
+                if booted is not None:
+                    samples[variant.name] += [parse_record(r) for r in booted.records("split")]
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "split: dry run, nothing measured")
         cases = summarise_cases(samples)

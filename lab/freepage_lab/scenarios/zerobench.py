@@ -55,17 +55,24 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import harness
 from ..context import RunContext
-from ..knobs import FLUSH
-from ..runners import GuestConfig
+from ..guestshell import (
+    BENCH_PROG,
+    BENCH_RUN,
+    bench_function,
+    flush_if_present,
+    pcp_high_fraction,
+    vmstat_delta,
+    vmstat_save,
+)
 from ..shell import LabError
 from ..stats import median_ratio, summarise
-from . import Outcome, Scenario, abba, run_checked, table
+from . import Outcome, Scenario, table
 
 # test-only: the in-kernel benchmark, applied to every kernel here
 BENCH_PATCH = "page-zeroed-bench.patch"
-BENCH_PROG = "page_zeroed_bench"
-RUN = "/sys/module/page_zeroed_bench/parameters/run"
+RUN = BENCH_RUN
 COUNTERS = ("pgzero_skipped", "pgzero_missed", "pgzero_marked_reported", "pgzero_merge_lost")
 VARIANTS = ("vanilla", "off", "on")
 MAX_PAGE_ORDER = 10
@@ -123,34 +130,26 @@ def check_params(p: ZerobenchParams) -> tuple[int, ...]:
 
 
 def guest_script(p: ZerobenchParams, orders: tuple[int, ...]) -> str:
-    counters = "|".join(COUNTERS)
     lines = [
         f"[ -w {RUN} ] || {{ echo 'zerobench: {RUN} missing: kernel without {BENCH_PATCH}'; "
         "exit 3; }",
         # one benchmark command; its JSON line copied from the ring buffer
-        "bench() {",
-        "\tdmesg -c > /dev/null",
-        f"\techo \"$*\" > {RUN} || {{ echo \"zerobench: '$*' failed\"; exit 4; }}",
-        f"\tdmesg -c | sed -n 's/^.*\\({{\"prog\":\"{BENCH_PROG}\".*}}\\)[[:space:]]*$/\\1/p'",
-        "}",
+        bench_function("zerobench"),
     ]
     if p.pcp_high_fraction:
-        lines.append(f"echo {p.pcp_high_fraction} > /proc/sys/vm/percpu_pagelist_high_fraction")
+        lines.append(pcp_high_fraction(p.pcp_high_fraction))
     for _ in range(p.repeat):
         for order in orders:
             lines += [
                 # dirty the memory first: the pages the benchmark gets are not zero
                 f"populate --mib {p.bench_mib} --mode 4k --fill 0x5a --tag warm",
-                f"[ -w {FLUSH} ] && echo 1000000 > {FLUSH} || true",
+                flush_if_present(),
                 f"sleep {p.settle_s}",
-                f"grep -E '^({counters}) ' /proc/vmstat > /tmp/v0 || true",
+                vmstat_save(COUNTERS, "/tmp/v0"),
                 f"bench zero {order} {p.bench_mib}",
-                f"grep -E '^({counters}) ' /proc/vmstat > /tmp/v1 || true",
+                vmstat_save(COUNTERS, "/tmp/v1"),
                 # one JSON line with the counter deltas of that run
-                f"awk -v o={order} 'NR==FNR{{a[$1]=$2;next}}"
-                "{s=s sprintf(\",\\\"%s\\\":%d\",$1,$2-a[$1])}"
-                "END{print \"{\\\"prog\\\":\\\"vmstat\\\",\\\"order\\\":\" o s \"}\"}'"
-                " /tmp/v0 /tmp/v1",
+                vmstat_delta(f',"order":{order}'),
             ]
     lines += [f"bench fastpath {p.fastpath_n}"] * p.fastpath_repeat
     return "\n".join(lines) + "\n"
@@ -195,22 +194,14 @@ def ratios(samples: dict[str, list[float]], pairs: tuple[tuple[str, str, str], .
             for key, a, b in pairs if samples.get(a) and samples.get(b)}
 
 
-def icount_args(ctx: RunContext, params: ZerobenchParams) -> list[str]:
-    """QEMU arguments that make guest time count instructions (TCG only)."""
-    if not params.icount:
-        return []
-    accel = getattr(ctx.runner(), "accel", None)
-    if accel != "tcg":
-        raise LabError(f"zerobench: -icount needs QEMU TCG, not {accel}: add --accel tcg "
-                       "or --param icount=false")
-    return ["-icount", "shift=0,sleep=off"]
+def counts_instructions(ctx: RunContext, params: ZerobenchParams) -> bool:
+    """Guest time counts instructions (QEMU TCG -icount) in this run."""
+    return params.icount and bool(ctx.machine.icount)
 
 
 def time_unit(ctx: RunContext, params: ZerobenchParams) -> str:
     """What a guest "ns" is on this platform."""
-    if ctx.platform == "qemu" and params.icount:
-        return "instructions"
-    return "ns"
+    return "instructions" if counts_instructions(ctx, params) else "ns"
 
 
 def spread(s: dict) -> str:
@@ -224,49 +215,41 @@ def ratio_cell(r: dict) -> str:
 class Zerobench(Scenario):
     name = "zerobench"
     Params = ZerobenchParams
+    platforms = ("uml", "qemu")
 
-    def _guest(self, ctx: RunContext, params: ZerobenchParams, variant: str, rnd: int,
-               orders: tuple[int, ...], qemu_args: list[str]) -> tuple[list[dict], list[dict]]:
-        cfg = GuestConfig(kernel=ctx.kernel(patched=variant != "vanilla",
-                                            extra_patches=(BENCH_PATCH,)),
-                          initrd=ctx.initrd(f"zerobench-{ctx.platform}",
-                                            guest_script(params, orders)),
-                          mem_mib=params.mem_mib)
-        tag = f"zerobench-{ctx.platform}-{variant}-{rnd}"
-        if ctx.platform == "qemu":
-            cfg.extra_args += qemu_args
-        # UML: the daemon offers bit 6 (reported pages read as zero) only for "on"
-        host = ctx.balloon_host(cfg, tag, () if variant == "on" else ("--no-zero-bits",))
-        guest = run_checked(ctx, cfg, tag, "zerobench", params.timeout_s, host=host,
-                            runner=ctx.balloon_runner(cfg, zeroing=variant == "on"))
-        if guest is None:
-            return [], []
-        records = guest.json_records(BENCH_PROG)
+    @staticmethod
+    def _guest(params: ZerobenchParams, guest: harness.Booted,
+               orders: tuple[int, ...]) -> tuple[list[dict], list[dict]]:
+        # the device zeroes (bit 6: reported pages read as zero) for "on" only
+        records = guest.records(BENCH_PROG)
         zeros = [r for r in records if r.get("test") == "zero"]
         fast = [r for r in records if r.get("test") == "fastpath"]
         if len(zeros) != params.repeat * len(orders) or len(fast) != params.fastpath_repeat:
             raise guest.error(f"zerobench: expected {params.repeat * len(orders)} zero and "
                               f"{params.fastpath_repeat} fastpath records, got {len(zeros)} "
                               f"and {len(fast)}")
-        return records, guest.json_records("vmstat")
+        return records, guest.records("vmstat")
 
     def run(self, ctx: RunContext, params: ZerobenchParams) -> Outcome:
-        if ctx.platform not in ("uml", "qemu"):
-            raise LabError(f"zerobench runs on UML or QEMU, not {ctx.platform}")
         orders = check_params(params)
         unit = time_unit(ctx, params)
         # before any kernel is built: -icount without TCG is an error
-        qemu_args = icount_args(ctx, params) if ctx.platform == "qemu" else []
+        if counts_instructions(ctx, params):
+            harness.check_icount(ctx, self.name)
+        variants = [v.with_patches(BENCH_PATCH)
+                    for v in harness.pick(self.name, "zeroing", params.variants)]
+        plan = self.plan(params, guest_script(params, orders), f"zerobench-{ctx.platform}",
+                         icount=counts_instructions(ctx, params))
         if "bench.config" not in ctx.extra_fragments:
             print("zerobench: no --fragment bench.config: the patched kernels verify every "
                   "known-zero page, so on/off numbers are not representative", flush=True)
         records: dict[str, list[dict]] = {v: [] for v in params.variants}
         vmstat: dict[str, list[dict]] = {v: [] for v in params.variants}
-        for rnd in range(params.rounds):
-            for variant in abba(params.variants, rnd):
-                r, s = self._guest(ctx, params, variant, rnd, orders, qemu_args)
-                records[variant] += r
-                vmstat[variant] += s
+        for booted in harness.rounds(ctx, variants, params.rounds, f"zerobench-{ctx.platform}",
+                                     plan):
+            r, s = self._guest(params, booted, orders)
+            records[booted.variant.name] += r
+            vmstat[booted.variant.name] += s
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         data = summarise_run(params, orders, records, vmstat)

@@ -32,18 +32,17 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import harness
 from ..context import RunContext
-from ..footprint import Sampler, value_at
+from ..footprint import value_at
+from ..guestshell import flush_if_present, pcp_high_fraction, thp, vmstat_delta, vmstat_save
 from ..initramfs import EVENT
-from ..knobs import FLUSH
-from ..runners import GuestConfig
-from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
-from . import Outcome, Scenario, abba, table
+from . import Outcome, Scenario, table
 
 MIB = 1 << 20
-POLICY_PATCH = "zero-first-reported.patch"
-VARIANTS = ("vanilla", "tail", "series")
+POLICY_PATCH = harness.POLICY_PATCH
+VARIANTS = tuple(harness.family("zerofirst"))
 COUNTERS = ("pgzero_skipped", "pgzero_missed")
 
 
@@ -61,29 +60,24 @@ class ZerofirstParams:
 
 
 def guest_script(p: ZerofirstParams) -> str:
-    counters = "|".join(COUNTERS)
-    lines = [
-        "[ -w /sys/kernel/mm/transparent_hugepage/enabled ] && "
-        "echo never > /sys/kernel/mm/transparent_hugepage/enabled || true",
-    ]
+    lines = [thp("never")]
     if p.pcp_high_fraction:
-        lines.append(f"echo {p.pcp_high_fraction} > /proc/sys/vm/percpu_pagelist_high_fraction")
+        lines.append(pcp_high_fraction(p.pcp_high_fraction))
     for i in range(p.iterations):
         lines += [
             f"populate --mib {p.reported_mib} --mode 4k --fill 0x5a --tag reported",
             # stock has no flush: its 2 s timer reports within the sleep
-            f"[ -w {FLUSH} ] && echo 1000000 > {FLUSH} || true",
+            flush_if_present(),
             "sleep 4",
             f"populate --mib {p.backed_mib} --mode 4k --fill 0x5a --tag backed",
-            f"grep -E '^({counters}) ' /proc/vmstat > /tmp/v0 || true",
+            vmstat_save(COUNTERS, "/tmp/v0"),
             f"echo {EVENT} work {i}",
             "sleep 0.3",
             f"populate --mib {p.work_mib} --mode 4k --touch --verify --tag work",
             f"echo {EVENT} done {i}",
             "sleep 0.5",
-            f"grep -E '^({counters}) ' /proc/vmstat > /tmp/v1 || true",
-            "awk 'NR==FNR{a[$1]=$2;next}{s=s sprintf(\",\\\"%s\\\":%d\",$1,$2-a[$1])}"
-            "END{print \"{\\\"prog\\\":\\\"vmstat\\\"\" s \"}\"}' /tmp/v0 /tmp/v1",
+            vmstat_save(COUNTERS, "/tmp/v1"),
+            vmstat_delta(),
             "sleep 3",
         ]
     return "\n".join(lines) + "\n"
@@ -101,44 +95,22 @@ class Sample:
 class Zerofirst(Scenario):
     name = "zerofirst"
     Params = ZerofirstParams
+    platforms = ("uml", "qemu")
+    needs = "a balloon that zeroes reported pages"
 
-    def _guest(self, ctx: RunContext, p: ZerofirstParams, variant: str,
-               rnd: int) -> list[Sample]:
-        if variant not in VARIANTS:
-            raise LabError(f"zerofirst: unknown variant {variant!r}; choose from "
-                           f"{', '.join(VARIANTS)}")
-        patches = (POLICY_PATCH,) if variant == "tail" else ()
-        cfg = GuestConfig(kernel=ctx.kernel(patched=variant != "vanilla",
-                                            extra_patches=patches),
-                          initrd=ctx.initrd(f"zerofirst-{ctx.platform}", guest_script(p)),
-                          mem_mib=p.mem_mib, cmdline=["init_on_alloc=1"])
-        tag = f"zerofirst-{ctx.platform}-{variant}-{rnd}"
-        host = ctx.balloon_host(cfg, tag)
-        # the same zeroing host for every variant: only the guest differs
-        runner = ctx.balloon_runner(cfg, zeroing=True)
-        guest = runner.guest(tag, cfg, ctx.log(tag))
-        if ctx.shell.dry_run:
-            guest.start()
-            return []
-        marks: list[tuple[float, float]] = []
-        with host, guest, Sampler(lambda: runner.footprint_bytes(guest)) as sampler:
-            idx = 0
-            for i in range(p.iterations):
-                idx, start, _ = guest.wait_for(rf"^{EVENT} work {i}$", p.timeout_s, idx)
-                idx, end, _ = guest.wait_for(rf"^{EVENT} done {i}$", p.timeout_s, idx)
-                marks.append((start.t + 0.25, end.t + 0.45))
-            rc = guest.wait_exit(p.timeout_s)
-        if rc != 0:
-            raise guest.error(f"zerofirst: guest script failed (exit {rc})")
-        work = [r for r in guest.json_records("populate") if r["tag"] == "work"]
+    @staticmethod
+    def _guest(p: ZerofirstParams, guest: harness.Booted) -> list[Sample]:
+        marks = [(guest.marks[f"work {i}"].line.t + 0.25, guest.marks[f"done {i}"].line.t + 0.45)
+                 for i in range(p.iterations)]
+        work = [r for r in guest.records("populate") if r["tag"] == "work"]
         bad = [r for r in work if r["nonzero_bytes"]]
         if bad:
             raise guest.error(f"zerofirst: {bad[0]['nonzero_bytes']} non-zero bytes: "
                               "a page called zero was not")
-        counts = guest.json_records("vmstat")
+        counts = guest.records("vmstat")
         out = []
         for (t0, t1), r, c in zip(marks, work, counts):
-            growth = value_at(sampler.samples, t1) - value_at(sampler.samples, t0)
+            growth = value_at(guest.footprint, t1) - value_at(guest.footprint, t0)
             out.append(Sample(growth / MIB, r["populate_cpu_ns"] / 1e6,
                               (r["populate_ns"] + r.get("touch_ns", 0)) / 1e6,
                               c.get("pgzero_skipped", 0), c.get("pgzero_missed", 0)))
@@ -146,9 +118,16 @@ class Zerofirst(Scenario):
 
     def run(self, ctx: RunContext, params: ZerofirstParams) -> Outcome:
         runs: dict[str, list[Sample]] = {v: [] for v in params.variants}
-        for rnd in range(params.rounds):
-            for variant in abba(params.variants, rnd):
-                runs[variant] += self._guest(ctx, params, variant, rnd)
+        variants = harness.pick(self.name, "zerofirst", params.variants)
+        # the same zeroing host for every variant: only the guest differs
+        plan = self.plan(params, guest_script(params), f"zerofirst-{ctx.platform}",
+                         cmdline=("init_on_alloc=1",),
+                         marks=tuple(f"{m} {i}" for i in range(params.iterations)
+                                     for m in ("work", "done")),
+                         footprint_s=0.05)
+        for booted in harness.rounds(ctx, variants, params.rounds, f"zerofirst-{ctx.platform}",
+                                     plan):
+            runs[booted.variant.name] += self._guest(params, booted)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         data: dict[str, Any] = {"platform": ctx.platform, "params": asdict(params),

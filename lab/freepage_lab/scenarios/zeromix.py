@@ -30,18 +30,15 @@ import random
 import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
+from .. import guestshell, harness
 from ..context import RunContext
-from ..initramfs import BOOTED
-from ..knobs import flush_cmd
-from ..runners import GuestConfig
+from ..guestshell import flush_cmd
 from ..shell import LabError
 from ..stats import median_ratio, quantile, summarise
-from . import Outcome, Scenario, abba, table
+from . import Outcome, Scenario, table
 
-PCP_HIGH_FRACTION = "/proc/sys/vm/percpu_pagelist_high_fraction"
 FILE = "/tmp/zeromix.file"
 # counters every snapshot must carry (pages); the other pgzero_* come along
 COUNTERS = ("pgzero_skipped", "pgzero_missed", "pgzero_marked_reported", "pgzero_merge_lost")
@@ -86,17 +83,22 @@ def variant_patches(variant: str) -> tuple[str, ...]:
     return tuple(f"{n}.patch" for n in names)
 
 
+# pcp_high_fraction=-1: per platform (UML: one CPU, whose per-cpu lists
+# would otherwise hold much of the free memory away from reporting)
+DEFAULT_PCP_HIGH_FRACTION = {"uml": 1000}
+
+
 def pcp_high_fraction(p: ZeromixParams, platform: str) -> int:
     if p.pcp_high_fraction >= 0:
         return p.pcp_high_fraction
-    return 1000 if platform == "uml" else 0
+    return DEFAULT_PCP_HIGH_FRACTION.get(platform, 0)
 
 
 def guest_script(p: ZeromixParams, platform: str) -> str:
     lines = [SNAPSHOT_FUNCTION]
     fraction = pcp_high_fraction(p, platform)
     if fraction:
-        lines.append(f"echo {fraction} > {PCP_HIGH_FRACTION}")
+        lines.append(guestshell.pcp_high_fraction(fraction))
     lines.append("snap -1 boot")
     if p.initial_flush:
         lines += [flush_cmd(), "snap -1 flushed"]
@@ -361,28 +363,10 @@ class Zeromix(Scenario):
     name = "zeromix"
     Params = ZeromixParams
 
-    def _boot(self, ctx: RunContext, params: ZeromixParams, variant: str, kernel: Path,
-              rnd: int) -> Boot | None:
-        cfg = GuestConfig(kernel=kernel,
-                          initrd=ctx.initrd(f"zeromix-{ctx.platform}",
-                                            guest_script(params, ctx.platform)),
-                          mem_mib=params.mem_mib)
-        tag = f"zeromix-{ctx.platform}-{variant}-{rnd}"
-        host = ctx.balloon_host(cfg, tag)  # UML: the daemon offers bit 6
-        guest = ctx.balloon_runner(cfg, zeroing=True).guest(tag, cfg, ctx.log(tag))
-        if ctx.shell.dry_run:
-            with host:  # prints the daemon's command line too
-                guest.start()
-            return None
-        with host, guest:
-            rc = guest.wait_exit(params.timeout_s)
-        if rc != 0:
-            raise guest.error(f"zeromix: guest script failed (exit {rc})")
-        lines = [ln.text for ln in guest.lines]
-        booted = next((i for i, t in enumerate(lines) if t.startswith(BOOTED)), 0)
-        warnings = [t for t in lines[booted:] if "WARNING" in t]
-        if warnings:
-            raise guest.error(f"zeromix: kernel warned: {warnings[0]}")
+    @staticmethod
+    def _boot(params: ZeromixParams, booted: harness.Booted) -> Boot:
+        guest = booted.guest
+        lines = booted.lines
         boot = parse_console(lines)
         bad = [c for c in boot.cycles if c.nonzero_bytes]
         if bad:
@@ -401,14 +385,15 @@ class Zeromix(Scenario):
             raise LabError("zeromix: cycles must be >= 1")
         # every kernel before the first boot: a bench patch that does not
         # apply should not cost a boot first
-        kernels = {v: ctx.kernel(patched=True, extra_patches=variant_patches(v))
-                   for v in params.variants}
+        variants = [harness.Variant(v, patched=True, extra_patches=variant_patches(v),
+                                    zeroing=True) for v in params.variants]
+        for variant in variants:
+            harness.kernel(ctx, variant)
         boots: dict[str, list[Boot]] = {v: [] for v in params.variants}
-        for rnd in range(params.rounds):
-            for variant in abba(params.variants, rnd):
-                boot = self._boot(ctx, params, variant, kernels[variant], rnd)
-                if boot is not None:
-                    boots[variant].append(boot)
+        plan = self.plan(params, guest_script(params, ctx.platform), f"zeromix-{ctx.platform}")
+        for booted in harness.rounds(ctx, variants, params.rounds, f"zeromix-{ctx.platform}",
+                                     plan):
+            boots[booted.variant.name].append(self._boot(params, booted))
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         data, text = report(ctx.platform, params, boots)

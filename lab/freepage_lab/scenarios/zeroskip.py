@@ -19,15 +19,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import harness
 from ..context import RunContext
-from ..knobs import FLUSH
-from ..runners import GuestConfig
+from ..guestshell import flush_if_present, pcp_high_fraction, thp, vmstat_delta, vmstat_save
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
-from . import Outcome, Scenario, abba, run_checked, table
+from . import Outcome, Scenario, table
 
 # test-only: a kernel that never zeroes anonymous/THP/hugetlb user pages (unsafe)
-LIMIT_PATCH = "unsafe-no-user-page-zeroing.patch"
+LIMIT_PATCH = harness.LIMIT_PATCH
 COUNTERS = ("pgzero_skipped", "pgzero_missed", "pgzero_marked_reported", "pgzero_merge_lost")
 
 
@@ -46,31 +46,26 @@ class ZeroskipParams:
 
 def guest_script(p: ZeroskipParams, modes: tuple[str, ...]) -> str:
     lines = [
-        "[ -w /sys/kernel/mm/transparent_hugepage/enabled ] && "
-        "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled || true",
+        thp("madvise"),
         f"echo {p.populate_mib // 2 + 8} > /proc/sys/vm/nr_overcommit_hugepages "
         "2>/dev/null || true",
     ]
     if p.pcp_high_fraction:
-        lines.append(f"echo {p.pcp_high_fraction} > /proc/sys/vm/percpu_pagelist_high_fraction")
-    counters = "|".join(COUNTERS)
+        lines.append(pcp_high_fraction(p.pcp_high_fraction))
     for mode in modes:
         for _ in range(p.repeat):
             lines += [
                 f"populate --mib {p.populate_mib} --mode {mode} --fill 0x5a --tag warm",
-                f"[ -w {FLUSH} ] && echo 1000000 > {FLUSH} || true",
+                flush_if_present(),
                 f"sleep {p.settle_s}",
-                f"grep -E '^({counters}) ' /proc/vmstat > /tmp/v0 || true",
+                vmstat_save(COUNTERS, "/tmp/v0"),
                 # exit 1 = non-zero bytes found: the host judges that (the limit
                 # kernel produces them by design); any other failure stops the run
                 f"populate --mib {p.populate_mib} --mode {mode} --touch --verify --tag measure"
                 " || [ $? -eq 1 ]",
-                f"grep -E '^({counters}) ' /proc/vmstat > /tmp/v1 || true",
+                vmstat_save(COUNTERS, "/tmp/v1"),
                 # one JSON line with the counter deltas of that populate
-                "awk -v m=" + mode + " 'NR==FNR{a[$1]=$2;next}"
-                "{s=s sprintf(\",\\\"%s\\\":%d\",$1,$2-a[$1])}"
-                "END{print \"{\\\"prog\\\":\\\"vmstat\\\",\\\"mode\\\":\\\"\" m \"\\\"\" s \"}\"}'"
-                " /tmp/v0 /tmp/v1",
+                vmstat_delta(f',"mode":"{mode}"'),
             ]
     return "\n".join(lines) + "\n"
 
@@ -78,43 +73,34 @@ def guest_script(p: ZeroskipParams, modes: tuple[str, ...]) -> str:
 class Zeroskip(Scenario):
     name = "zeroskip"
     Params = ZeroskipParams
+    platforms = ("uml", "qemu")
 
-    def _guest(self, ctx: RunContext, params: ZeroskipParams, variant: str, rnd: int,
-               modes: tuple[str, ...]) -> tuple[list[dict], list[dict]]:
-        patched = variant != "vanilla"
-        patches: tuple[str, ...] = (LIMIT_PATCH,) if variant == "limit" else ()
-        cfg = GuestConfig(kernel=ctx.kernel(patched=patched, extra_patches=patches),
-                          initrd=ctx.initrd(f"zeroskip-{ctx.platform}",
-                                            guest_script(params, modes)),
-                          mem_mib=params.mem_mib)
-        runner = ctx.balloon_runner(cfg, zeroing=variant == "on")
-        tag = f"zeroskip-{ctx.platform}-{variant}-{rnd}"
-        # UML: the daemon offers bit 6 only for "on"
-        host = ctx.balloon_host(cfg, tag, () if variant == "on" else ("--no-zero-bits",))
-        guest = run_checked(ctx, cfg, tag, "zeroskip", params.timeout_s, host=host,
-                            runner=runner)
-        if guest is None:
-            return [], []
-        measured = [r for r in guest.json_records("populate") if r["tag"] == "measure"]
+    @staticmethod
+    def _guest(booted: harness.Booted) -> tuple[list[dict], list[dict]]:
+        # the device zeroes (bit 6: the patched QEMU, vhost-user-balloon) for "on" only
+        variant = booted.variant
+        measured = [r for r in booted.records("populate") if r["tag"] == "measure"]
         # the limit kernel does not zero user memory at all: garbage is expected there
-        bad = [r for r in measured if r["nonzero_bytes"] and variant != "limit"]
+        bad = [r for r in measured if r["nonzero_bytes"] and variant.name != "limit"]
         if bad:
-            raise guest.error(f"zeroskip: {bad[0]['nonzero_bytes']} non-zero bytes in a "
+            raise booted.error(f"zeroskip: {bad[0]['nonzero_bytes']} non-zero bytes in a "
                               f"{bad[0]['mode']} populate: a page called zero was not")
-        return measured, guest.json_records("vmstat")
+        return measured, booted.records("vmstat")
 
     def run(self, ctx: RunContext, params: ZeroskipParams) -> Outcome:
-        modes = params.modes if ctx.platform == "qemu" else tuple(
-            m for m in params.modes if m == "4k")  # UML: no THP, no hugetlb
+        modes = tuple(m for m in params.modes if m in ctx.machine.populate_modes)
         if not modes:
-            raise LabError("zeroskip on UML runs the 4k mode only")
+            raise LabError(f"zeroskip on {ctx.platform} runs the "
+                           f"{', '.join(ctx.machine.populate_modes)} modes only")
+        variants = harness.pick(self.name, "zeroing", params.variants)
+        plan = self.plan(params, guest_script(params, modes), f"zeroskip-{ctx.platform}")
         pops: dict[str, list[dict]] = {v: [] for v in params.variants}
         stats: dict[str, list[dict]] = {v: [] for v in params.variants}
-        for rnd in range(params.rounds):
-            for variant in abba(params.variants, rnd):
-                p, s = self._guest(ctx, params, variant, rnd, modes)
-                pops[variant] += p
-                stats[variant] += s
+        for booted in harness.rounds(ctx, variants, params.rounds, f"zeroskip-{ctx.platform}",
+                                     plan):
+            p, s = self._guest(booted)
+            pops[booted.variant.name] += p
+            stats[booted.variant.name] += s
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         data: dict[str, Any] = {"platform": ctx.platform, "params": asdict(params), "modes": {}}

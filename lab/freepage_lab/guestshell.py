@@ -1,0 +1,199 @@
+"""Guest shell: the paths of the kernel's interfaces and the snippets that
+every guest script shares, in one place.
+
+Scripts are busybox sh, run by the guest's init with `sh -e`; the lines
+here are safe there (a probe that may fail ends in `|| true`).
+"""
+
+from __future__ import annotations
+
+from .initramfs import EVENT
+
+# -- free page reporting (the series' sysfs directory) -----------------------
+
+REPORTING_DIR = "/sys/kernel/mm/page_reporting"
+# Write a page budget: one reporting pass runs now, the write returns when
+# it is done: ENODEV without a reporting device, ENODATA if nothing was
+# reported, the device's error if it failed (freepage series only).
+FLUSH = f"{REPORTING_DIR}/flush"
+# the series' counters, in the order every script prints them
+REPORTING_COUNTERS = ("passes", "time_us", "reported_pages", "reused_pages", "pcp_drained_pages")
+# a line per counter at the end of a boot (reported_pages: one number per order)
+COUNTER_TAG = "REPORTING-COUNTER"
+
+# -- the balloon ------------------------------------------------------------------
+
+# VIRTIO_BALLOON_F_DEVICE_INIT_REPORTED: proposed to the virtio TC
+# (virtio-spec issue #244), not allocated yet
+BIT_DEVICE_INIT_REPORTED = 6
+# virtio feature bits the guest negotiated, one '0'/'1' per bit
+VIRTIO_FEATURES = "/sys/bus/virtio/devices/{dev}/features"
+# the balloon's negotiated feature string, from a guest shell
+BALLOON_FEATURES = "$(cat /sys/bus/virtio/drivers/virtio_balloon/virtio*/features)"
+# the script ends (exit 4) unless a virtio_balloon device is bound
+BALLOON_BOUND = ("ls -d /sys/bus/virtio/drivers/virtio_balloon/virtio* >/dev/null 2>&1 || "
+                 "{ echo 'no virtio_balloon device bound' >&2; exit 4; }")
+
+# -- memory management knobs ----------------------------------------------------
+
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+PCP_HIGH_FRACTION = "/proc/sys/vm/percpu_pagelist_high_fraction"
+PREZERO_DIR = "/sys/kernel/mm/prezero"
+# the pre-zeroing counters prezero_helpers() prints with every event
+PREZERO_COUNTERS = ("pgzero_marked_prezero", "pgzero_prezero_aborted", "pgzero_prezero_hugetlb",
+                    "pgzero_skipped", "pgzero_missed", "pgzero_merge_lost",
+                    "pgzero_verify_failed", "pgzero_marked_reported", "pgzero_prezero_scans")
+# below this growth (pages per second) the pre-zeroed pool counts as warm: 1 MiB/s
+SETTLED_PAGES_PER_S = 256
+# the in-kernel benchmark (kernel/bench/page-zeroed-bench.patch)
+BENCH_RUN = "/sys/module/page_zeroed_bench/parameters/run"
+BENCH_PROG = "page_zeroed_bench"
+USER_HZ = 100
+
+
+def thp(mode: str) -> str:
+    """Set transparent huge pages to `mode` where the kernel has them (not UML)."""
+    return f"[ -w {THP_ENABLED} ] && echo {mode} > {THP_ENABLED} || true"
+
+
+def pcp_high_fraction(fraction: int) -> str:
+    """Small per-cpu lists: freed pages reach the free lists (and reporting)."""
+    return f"echo {fraction} > {PCP_HIGH_FRACTION}"
+
+
+def flush_cmd(pages: int = 1000000) -> str:
+    """Guest shell: report up to `pages` free pages now and wait for it.
+
+    ENODATA means a pass had already reported everything (the series
+    reports within 100 ms of a free), which is fine; any other error (no
+    device, the device failed) ends the script.
+    """
+    return (f'out=$( (echo {pages} > {FLUSH}) 2>&1 ) || case "$out" in '
+            f'*"No data available"*) ;; *) echo "flush: $out" >&2; exit 1;; esac')
+
+
+def flush_if_present() -> str:
+    """Report now on the series; stock has no flush (its 2 s timer reports)."""
+    return f"[ -w {FLUSH} ] && echo 1000000 > {FLUSH} || true"
+
+
+def reporting_snapshot() -> str:
+    """Shell function `reporting TAG`: one JSON line with the series'
+    counters (reported_pages summed over orders); nothing on stock."""
+    r = REPORTING_DIR
+    fields = ",".join(f'"{c}":%s' for c in (*REPORTING_COUNTERS, "current_delay_ms", "delay_ms"))
+    values = " ".join('"$(awk \'{s=0; for (i = 1; i <= NF; i++) s += $i; print s}\' $R/' + c + ')"'
+                      if c == "reported_pages" else f'"$(cat $R/{c})"'
+                      for c in (*REPORTING_COUNTERS, "current_delay_ms", "delay_ms"))
+    return "\n".join([
+        "reporting() {",
+        f"\t[ -r {r}/passes ] || return 0",
+        f"\tR={r}",
+        f"\tprintf '{{\"prog\":\"reporting\",\"tag\":\"%s\",{fields}}}\\n' \"$1\" {values}",
+        "}",
+    ])
+
+
+def reporting_counters() -> str:
+    """One COUNTER_TAG line per counter the kernel has (none on stock)."""
+    names = " ".join(REPORTING_COUNTERS)
+    return (f"for f in {names}; do [ -r {REPORTING_DIR}/$f ] && "
+            f"echo \"{COUNTER_TAG} $f $(cat {REPORTING_DIR}/$f)\"; done; true")
+
+
+def vmstat_save(counters: tuple[str, ...], to: str) -> str:
+    """Save the /proc/vmstat lines of `counters` to a file."""
+    return f"grep -E '^({'|'.join(counters)}) ' /proc/vmstat > {to} || true"
+
+
+def vmstat_delta(extra: str = "", before: str = "/tmp/v0", after: str = "/tmp/v1") -> str:
+    """One JSON line {"prog":"vmstat"<extra>,"<counter>":<delta>...} from two
+    vmstat_save() files; `extra` is JSON text such as ',"mode":"4k"'."""
+    head = '{"prog":"vmstat"' + extra
+    head = head.replace('"', '\\"')
+    return ("awk 'NR==FNR{a[$1]=$2;next}{s=s sprintf(\",\\\"%s\\\":%d\",$1,$2-a[$1])}"
+            f"END{{print \"{head}\" s \"}}\"}}' {before} {after}")
+
+
+def bench_function(who: str) -> str:
+    """Shell function `bench ARGS`: one in-kernel benchmark command, its
+    JSON line copied out of the ring buffer (dmesg -c) to stdout."""
+    return "\n".join([
+        "bench() {",
+        "\tdmesg -c > /dev/null",
+        f"\techo \"$*\" > {BENCH_RUN} || {{ echo \"{who}: '$*' failed\" >&2; exit 4; }}",
+        f"\tdmesg -c | sed -n 's/^.*\\({{\"prog\":\"{BENCH_PROG}\".*}}\\)[[:space:]]*$/\\1/p'",
+        "}",
+    ])
+
+
+def prezero_helpers(stable_s: int = 3) -> str:
+    """Shell functions of every pre-zeroing guest script.
+
+    vm: the counters on one line; ev NAME MODE: an event line with them;
+    knob NAME VALUE: set a pre-zeroing knob if the kernel has it;
+    prezero_wait TIMEOUT: until the thread's counters grew by less than
+    SETTLED_PAGES_PER_S a second for `stable_s` seconds in a row (the poll
+    itself forks and frees a few dirty pages each second, which the thread
+    clears, so they never stand quite still; without a thread: after that
+    idle time), prints "<EVENT> waited <mode> seconds <n>".
+    """
+    counters = "|".join(PREZERO_COUNTERS)
+    return f"""vm() {{ grep -E '^({counters}) ' /proc/vmstat | tr '\\n' ' '; }}
+ev() {{ echo "{EVENT} $1 $2 $(vm)"; }}
+knob() {{ if [ -w {PREZERO_DIR}/$1 ]; then echo $2 > {PREZERO_DIR}/$1; fi; }}
+prezero_wait() {{
+\tprev=-1; stable=0; waited=0
+\twhile [ $stable -lt {stable_s} ] && [ $waited -lt $1 ]; do
+\t\tsleep 1; waited=$((waited + 1))
+\t\tcur=$(awk '/^pgzero_(marked_prezero|prezero_hugetlb) /{{s += $2}} END{{print s + 0}}' \\
+\t\t\t/proc/vmstat)
+\t\tif [ $((cur - prev)) -lt {SETTLED_PAGES_PER_S} ]; then stable=$((stable + 1))
+\t\telse stable=0; fi
+\t\tprev=$cur
+\tdone
+\techo "{EVENT} waited ${{2:-all}} seconds $waited"
+}}
+"""
+
+
+def require_prezero(who: str) -> str:
+    """End the script (exit 3) on a kernel without pre-zeroing."""
+    return f"[ -d {PREZERO_DIR} ] || {{ echo '{who}: no {PREZERO_DIR}' >&2; exit 3; }}"
+
+
+def kcpu_function() -> str:
+    """Shell function kcpu: prints kprezerod's CPU time in ns and where it
+    came from: "schedstat" (the scheduler's runtime, CONFIG_SCHED_INFO,
+    which bench.config turns on; exact where sched_clock() is, e.g. x86,
+    in jiffies on UML), "ticks" (utime + stime, which miss a thread that
+    runs between ticks) or "none" (no thread yet: exactly 0)."""
+    tick_ns = 10**9 // USER_HZ
+    return "\n".join([
+        "kcpu() {",
+        "\tfor s in /proc/[0-9]*/stat; do",
+        "\t\tcase \"$(cat $s 2>/dev/null)\" in *'(kprezerod)'*)",
+        "\t\t\tif [ -r ${s%/stat}/schedstat ]; then",
+        "\t\t\t\techo \"$(cut -d' ' -f1 ${s%/stat}/schedstat) schedstat\"",
+        "\t\t\telse",
+        f"\t\t\t\techo \"$(awk '{{print ($14 + $15) * {tick_ns}}}' $s) ticks\"",
+        "\t\t\tfi; return;; esac",
+        "\tdone",
+        "\techo '0 none'",
+        "}",
+    ])
+
+
+def kcpu_snapshot(prefix: str) -> str:
+    """A shell line that echoes `prefix` followed by "cpu_ns N exact 0|1"
+    (exact: not from ticks), for kcpu_function()'s kcpu."""
+    return (f"set -- $(kcpu); echo \"{prefix} cpu_ns $1 exact "
+            "$([ \"$2\" = ticks ] && echo 0 || echo 1)")
+
+
+def cpustat_function() -> str:
+    """Shell function `cpustat TAG`: the guest's /proc/stat cpu line as JSON
+    ticks (user nice system idle iowait irq softirq steal)."""
+    return ("cpustat() { awk -v tag=\"$1\" '$1 == \"cpu\" { printf \"{\\\"prog\\\":\\\"cpustat\\\","
+            "\\\"tag\\\":\\\"%s\\\",\\\"ticks\\\":[%s,%s,%s,%s,%s,%s,%s,%s]}\\n\", "
+            "tag, $2, $3, $4, $5, $6, $7, $8, $9 }' /proc/stat; }")

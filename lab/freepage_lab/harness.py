@@ -1,0 +1,405 @@
+"""One way to boot a guest, for every scenario and every test.
+
+    booted = harness.boot(ctx, variant, "reclaim-stock-0", plan)
+
+builds the variant's kernel and the plan's initramfs, starts the balloon's
+host side where the platform has one (vhost-user-balloon on UML), starts the
+guest, waits for the plan's marks (console lines "FREEPAGE-EVENT <mark>"),
+reads the host probes at each mark (the guest's process group and the
+daemon: faults, CPU time), samples the footprint if asked, waits for the
+script's exit, and fails the run on a non-zero exit code or a kernel
+warning after boot. On a dry run it prints every command and returns None.
+
+What is compared is a `Variant` (which kernel, which device on which QEMU,
+which daemon flags); what is run is a `Plan` (the guest script and how to
+watch it). Both are data; `FAMILIES` names the variants of every comparison.
+`start()` is the same boot for callers that talk to the guest or the
+daemon while it runs (tests, migration).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from .backend import BalloonBackend
+from .context import RunContext
+from .footprint import Sample, Sampler
+from .guest import ConsoleLine, Guest
+from .initramfs import BOOTED, EVENT, EXIT
+from .procfs import Usage, group_usage, process_usage
+from .runners import GuestConfig, Runner
+from .shell import LabError
+
+# -- what is compared ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A guest kernel and the device and host side it boots with."""
+
+    name: str
+    # the series applied; None: what the run context says (--vanilla)
+    patched: bool | None = None
+    # test-only patches after the series (kernel/bench/, arm64-split/bench/)
+    extra_patches: tuple[str, ...] = ()
+    # a balloon device at all, and whether it offers free page reporting
+    balloon: bool = True
+    reporting: bool = True
+    # the device zeroes reported and inflated pages and says so (bits 6 and
+    # 7); None: what the context stands for (the series on the patched QEMU;
+    # UML: the daemon's default, which offers them)
+    zeroing: bool | None = False
+    # free page hinting (QEMU, with an iothread)
+    hint: bool = False
+    # Debian's QEMU even with --patched-qemu: only the guest kernel differs
+    stock_qemu: bool = False
+    # vhost-user-balloon on QEMU (vhost-user-balloon-pci, patched QEMU)
+    vhost_user: bool = False
+    # more vhost-user-balloon arguments
+    daemon_args: tuple[str, ...] = ()
+
+    def with_patches(self, *names: str) -> Variant:
+        return replace(self, extra_patches=self.extra_patches + names)
+
+
+# test-only kernel patches (kernel/bench/)
+STOCK250_PATCH = "stock-delay-250ms.patch"
+LIMIT_PATCH = "unsafe-no-user-page-zeroing.patch"
+POLICY_PATCH = "zero-first-reported.patch"
+
+# the run context's kernel and device (--vanilla, --patched-qemu)
+CONTEXT = Variant("context", zeroing=None)
+
+FAMILIES: dict[str, dict[str, Variant]] = {name: {v.name: v for v in vs} for name, vs in {
+    # free page reporting: stock kernels and the series on one host side
+    # (Debian's QEMU, vhost-user-balloon without zeroing bits), so only the
+    # guest's reporting differs
+    "reporting": (
+        Variant("off", patched=False, reporting=False, stock_qemu=True),
+        Variant("stock", patched=False, stock_qemu=True),
+        Variant("stock250", patched=False, extra_patches=(STOCK250_PATCH,), stock_qemu=True),
+        Variant("freepage", patched=True, stock_qemu=True),
+    ),
+    # never zero twice: reported pages known zero (on) or not
+    "zeroing": (
+        Variant("vanilla", patched=False),
+        Variant("off", patched=True),
+        Variant("on", patched=True, zeroing=True),
+        Variant("limit", patched=True, extra_patches=(LIMIT_PATCH,)),
+    ),
+    # zeroing allocations on a zeroing device: the policy in the guest differs
+    "zerofirst": (
+        Variant("vanilla", patched=False, zeroing=True),
+        Variant("tail", patched=True, extra_patches=(POLICY_PATCH,), zeroing=True),
+        Variant("series", patched=True, zeroing=True),
+    ),
+    # pre-zeroing: no balloon, so every order may be pre-zeroed
+    "prezero": (
+        Variant("vanilla", patched=False, balloon=False),
+        Variant("off", patched=True, balloon=False),
+        Variant("on", patched=True, balloon=False),
+        Variant("limit", patched=True, extra_patches=(LIMIT_PATCH,), balloon=False),
+    ),
+    # pre-zeroing's cost: one kernel, the guest script sets the knobs
+    "prezero_cost": (
+        Variant("off", patched=True, balloon=False),
+        Variant("nt", patched=True, balloon=False),
+        Variant("cached", patched=True, balloon=False),
+    ),
+    # arm64 eager split: stock vs the arm64-split series
+    "split": (
+        Variant("stock", patched=False, balloon=False),
+        Variant("series", patched=True, balloon=False),
+    ),
+    # the context's kernel, the balloon with and without reporting
+    "realloc": (
+        Variant("backed", reporting=False, zeroing=None),
+        Variant("reported", zeroing=None),
+    ),
+    # pre-zeroing's CPU cap, and its footprint beside a reporting balloon
+    "prezero_cpu": (Variant("series", patched=True, balloon=False),),
+    "prezero_footprint": (Variant("series", patched=True, zeroing=True),),
+    # the context's kernel, migrated with and without free page hinting
+    "migrate": (
+        Variant("no-hint", reporting=False),
+        Variant("hint", reporting=False, hint=True),
+    ),
+}.items()}
+
+
+def family(name: str) -> dict[str, Variant]:
+    return FAMILIES[name]
+
+
+def pick(scenario: str, family_name: str, names: Sequence[str]) -> list[Variant]:
+    """The variants `names` of a family, in that order; unknown names fail."""
+    known = FAMILIES[family_name]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise LabError(f"{scenario}: unknown variants {unknown or list(names)}; choose from "
+                       f"{', '.join(known)}")
+    return [known[n] for n in names]
+
+
+def order(variants: Sequence[Any], rnd: int, rotate: bool = False) -> list[Any]:
+    """The boot order of round `rnd`, so that drift hits every variant alike:
+    A B C, then C B A, ... (ABBA), or with `rotate` each variant takes each
+    position in turn (A B C, B C A, C A B)."""
+    if rotate:
+        k = rnd % len(variants) if variants else 0
+        return [*variants[k:], *variants[:k]]
+    return list(variants if rnd % 2 == 0 else variants[::-1])
+
+
+# -- what is run -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A guest script, the guest's size, and what to watch while it runs."""
+
+    script: str
+    # the initramfs' file name in the run directory ("" = the boot's name)
+    initrd: str = ""
+    mem_mib: int = 2048
+    cmdline: tuple[str, ...] = ()
+    # more VMM arguments (QEMU)
+    extra_args: tuple[str, ...] = ()
+    # console marks "FREEPAGE-EVENT <mark>" to wait for, in order
+    marks: tuple[str, ...] = ()
+    # each wait (boot to a mark, mark to mark, to the exit) gets this long
+    timeout_s: float = 600
+    # sample the host footprint / its THP backing every this many seconds
+    footprint_s: float | None = None
+    huge_s: float | None = None
+    # guest time counts instructions (QEMU TCG -icount)
+    icount: bool = False
+    smp: int = 1
+    cpu: str | None = None
+    # UML: run the guest on this host CPU
+    host_cpu: int | None = None
+    # the guest must power off after its exit marker (False: the exit code
+    # is enough; leaving kills what is left)
+    poweroff: bool = True
+    # the guest's console takes input (QEMU -serial stdio)
+    interactive: bool = False
+
+
+@dataclass
+class Mark:
+    """A console mark and the host probes read when it appeared."""
+
+    line: ConsoleLine
+    vmm: Usage  # the guest's process group
+    daemon: Usage  # vhost-user-balloon (zero without one)
+
+
+@dataclass
+class Booted:
+    """One boot: the guest (console, records), its exit code, marks, samples."""
+
+    name: str
+    variant: Variant
+    guest: Guest
+    runner: Runner
+    rc: int = -1
+    marks: dict[str, Mark] = field(default_factory=dict)
+    footprint: list[Sample] = field(default_factory=list)
+    huge: list[Sample] = field(default_factory=list)
+    footprint_hz: float = 0.0
+
+    @property
+    def lines(self) -> list[str]:
+        return [ln.text for ln in self.guest.lines]
+
+    def records(self, prog: str | None = None) -> list[dict]:
+        return self.guest.json_records(prog)
+
+    def between(self, a: str, b: str) -> tuple[Usage, Usage, float]:
+        """Host usage of the VMM and the daemon between two marks, and the seconds."""
+        ma, mb = self.marks[a], self.marks[b]
+        return mb.vmm - ma.vmm, mb.daemon - ma.daemon, mb.line.t - ma.line.t
+
+    def error(self, why: str) -> LabError:
+        return self.guest.error(why)
+
+
+def kernel_warnings(lines: Sequence[str]) -> list[str]:
+    """WARNING lines after boot (KUnit suites warn on purpose before init)."""
+    booted = next((i for i, t in enumerate(lines) if t.startswith(BOOTED)), 0)
+    return [t for t in lines[booted:] if "WARNING" in t]
+
+
+def check(booted: Booted) -> Booted:
+    """A guest script that failed or a kernel that warned after boot fails the run."""
+    if booted.rc != 0:
+        raise booted.error(f"guest script failed (exit {booted.rc})")
+    warnings = kernel_warnings(booted.lines)
+    if warnings:
+        raise booted.error(f"kernel warned: {warnings[0].strip()}")
+    return booted
+
+
+def check_icount(ctx: RunContext, who: str) -> None:
+    """-icount needs an emulated CPU (TCG); refuse before anything is built."""
+    if not ctx.machine.icount:
+        raise LabError(f"{who}: guest instruction counts need QEMU, not {ctx.platform}")
+    accel = getattr(ctx.runner(), "accel", None)
+    if accel != "tcg":
+        raise LabError(f"{who}: -icount needs QEMU TCG, not {accel}: add --accel tcg "
+                       "or --param icount=false")
+
+
+def zeroing(ctx: RunContext, variant: Variant) -> bool:
+    """Whether the device zeroes reported and inflated pages for this boot."""
+    if variant.zeroing is None:
+        return ctx.patched and ctx.patched_qemu
+    return variant.zeroing
+
+
+def daemon_args(variant: Variant) -> list[str]:
+    """vhost-user-balloon's arguments for a variant's device."""
+    args = ["--no-init-bits"] if variant.zeroing is False else []
+    if not variant.reporting:
+        args.append("--no-reporting")
+    return args + list(variant.daemon_args)
+
+
+def kernel(ctx: RunContext, variant: Variant) -> Path:
+    """The variant's kernel image (built once per run)."""
+    return ctx.kernel(patched=variant.patched, extra_patches=variant.extra_patches)
+
+
+def guest_config(ctx: RunContext, variant: Variant, name: str, plan: Plan,
+                 **overrides: Any) -> GuestConfig:
+    """The variant's guest; `overrides` replace any GuestConfig field."""
+    zero = zeroing(ctx, variant)
+    cfg = GuestConfig(
+        kernel=kernel(ctx, variant), initrd=ctx.initrd(plan.initrd or name, plan.script),
+        mem_mib=plan.mem_mib, cmdline=list(plan.cmdline), extra_args=list(plan.extra_args),
+        balloon=variant.balloon, free_page_reporting=variant.reporting,
+        free_page_hint=variant.hint,
+        # QEMU refuses bit 6 without the reporting queue it belongs to
+        device_init_reported=ctx.machine.patched_qemu and zero and variant.reporting,
+        device_init_on_inflate=ctx.machine.patched_qemu and zero,
+        cpu=plan.cpu, smp=plan.smp, icount=plan.icount, host_cpu=plan.host_cpu)
+    return replace(cfg, **overrides)
+
+
+def runner(ctx: RunContext, variant: Variant) -> Runner:
+    """The platform's runner; on QEMU the patched build where the device
+    must zero or --patched-qemu asks for it, unless the variant wants Debian's."""
+    if variant.stock_qemu:
+        return ctx.runner(patched_qemu=False)
+    return ctx.runner(patched_qemu=zeroing(ctx, variant) or ctx.patched_qemu
+                      or variant.vhost_user)
+
+
+class Running:
+    """A guest being booted by start(): wait for its marks and its exit."""
+
+    def __init__(self, booted: Booted, plan: Plan, backend: BalloonBackend | None) -> None:
+        self.booted = booted
+        self.plan = plan
+        self.backend = backend
+        self.guest = booted.guest
+        self._index = 0
+
+    def probe(self, line: ConsoleLine) -> Mark:
+        daemon = (process_usage(self.backend.proc.pid)
+                  if self.backend is not None and self.backend.proc is not None else Usage())
+        return Mark(line, group_usage(self.guest.pid), daemon)
+
+    def mark(self, name: str, timeout_s: float | None = None) -> Mark:
+        """Wait for "FREEPAGE-EVENT <name>" after the last mark; probe the host."""
+        pattern = rf"^{EVENT} {re.escape(name)}(?: |$)"
+        self._index, line, _ = self.guest.wait_for(pattern, timeout_s or self.plan.timeout_s,
+                                                   self._index)
+        mark = self.booted.marks[name] = self.probe(line)
+        return mark
+
+    def wait_exit(self, timeout_s: float | None = None) -> int:
+        """The script's exit code; with plan.poweroff, the guest must power off too."""
+        timeout = timeout_s or self.plan.timeout_s
+        if self.plan.poweroff:
+            self.booted.rc = self.guest.wait_exit(timeout)
+        else:
+            _, _, m = self.guest.wait_for(rf"^{EXIT} (\d+)", timeout)
+            self.booted.rc = int(m.group(1))
+        return self.booted.rc
+
+
+@contextmanager
+def start(ctx: RunContext, variant: Variant, name: str, plan: Plan, *,
+          run_with: Runner | None = None, daemon: BalloonBackend | None = None,
+          **overrides: Any) -> Iterator[Running | None]:
+    """Boot `variant` with `plan` and yield it running (None on a dry run,
+    after printing every command); leaving kills the guest and stops the
+    daemon. `overrides`: GuestConfig fields (qmp_socket, incoming, ...).
+    `run_with`: the caller's runner (a QEMU build with test-only patches);
+    `daemon`: a vhost-user-balloon the caller runs, which outlives the guest."""
+    cfg = guest_config(ctx, variant, name, plan, **overrides)
+    run_with = run_with or runner(ctx, variant)
+    backend = daemon
+    if (backend is None and variant.balloon
+            and (ctx.machine.balloon_daemon or variant.vhost_user)):
+        backend = BalloonBackend(ctx.shell, ctx.run_dir / f"{name}.sock",
+                                 ctx.log(f"{name}-backend"), daemon_args(variant))
+    if backend is not None:
+        cfg.vhost_user_balloon = backend.socket
+    guest = run_with.guest(name, cfg, ctx.log(name), interactive=plan.interactive)
+    booted = Booted(name, variant, guest, run_with)
+    with ExitStack() as stack:
+        if backend is not None and backend is not daemon:
+            stack.enter_context(backend)
+        if ctx.shell.dry_run:
+            guest.start()
+            yield None
+            return
+        stack.enter_context(guest)
+        samplers = []
+        if plan.footprint_s:
+            samplers.append(stack.enter_context(
+                Sampler(lambda: run_with.footprint_bytes(guest), plan.footprint_s)))
+        if plan.huge_s:
+            samplers.append(stack.enter_context(
+                Sampler(lambda: run_with.huge_backing_bytes(guest), plan.huge_s)))
+        try:
+            yield Running(booted, plan, backend)
+        finally:
+            stack.close()
+            if plan.footprint_s:
+                booted.footprint = samplers[0].samples
+                booted.footprint_hz = samplers[0].rate_hz()
+            if plan.huge_s:
+                booted.huge = samplers[-1].samples
+
+
+def rounds(ctx: RunContext, variants: Sequence[Variant], count: int, prefix: str,
+           plan: Plan | Callable[[Variant], Plan], rotate: bool = False) -> Iterator[Booted]:
+    """Boot every variant once a round, `count` rounds, each round in
+    order() (ABBA, or rotated), each boot named "<prefix>-<variant>-<round>";
+    yield the checked boots (a dry run prints their commands, yields none).
+    `plan`: one for all, or each variant's own."""
+    for rnd in range(count):
+        for variant in order(variants, rnd, rotate):
+            booted = boot(ctx, variant, f"{prefix}-{variant.name}-{rnd}",
+                          plan if isinstance(plan, Plan) else plan(variant))
+            if booted is not None:
+                yield booted
+
+
+def boot(ctx: RunContext, variant: Variant, name: str, plan: Plan) -> Booted | None:
+    """Boot, wait for every mark and the exit, check exit code and warnings."""
+    with start(ctx, variant, name, plan) as run:
+        if run is None:
+            return None
+        for mark in plan.marks:
+            run.mark(mark)
+        run.wait_exit()
+    return check(run.booted)
