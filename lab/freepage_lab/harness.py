@@ -62,6 +62,10 @@ class Variant:
     vhost_user: bool = False
     # more vhost-user-balloon arguments
     daemon_args: tuple[str, ...] = ()
+    # how the daemon is told not to offer bits 6 and 7 (zeroing False)
+    no_init_bits: str = "--no-init-bits"
+    # more properties of QEMU's balloon device, as QEMU spells them
+    device_props: tuple[str, ...] = ()
 
     def with_patches(self, *names: str) -> Variant:
         return replace(self, extra_patches=self.extra_patches + names)
@@ -74,23 +78,40 @@ POLICY_PATCH = "zero-first-reported.patch"
 
 # the run context's kernel and device (--vanilla, --patched-qemu)
 CONTEXT = Variant("context", zeroing=None)
+# the daemon's older name of --no-init-bits, which it still takes
+NO_ZERO_BITS = "--no-zero-bits"
+
+
+def reporting_variants(off: dict[str, Any], **host: Any) -> tuple[Variant, ...]:
+    """Stock kernels and the series on one host side (`host`: Variant
+    fields), so only the guest's reporting differs; `off`: what else the
+    device that does not offer reporting says."""
+    return (
+        Variant("off", patched=False, reporting=False, **host, **off),
+        Variant("stock", patched=False, **host),
+        Variant("stock250", patched=False, extra_patches=(STOCK250_PATCH,), **host),
+        Variant("freepage", patched=True, **host),
+    )
+
 
 FAMILIES: dict[str, dict[str, Variant]] = {name: {v.name: v for v in vs} for name, vs in {
-    # free page reporting: stock kernels and the series on one host side
-    # (Debian's QEMU, vhost-user-balloon without zeroing bits), so only the
-    # guest's reporting differs
-    "reporting": (
-        Variant("off", patched=False, reporting=False, stock_qemu=True),
-        Variant("stock", patched=False, stock_qemu=True),
-        Variant("stock250", patched=False, extra_patches=(STOCK250_PATCH,), stock_qemu=True),
-        Variant("freepage", patched=True, stock_qemu=True),
-    ),
-    # never zero twice: reported pages known zero (on) or not
+    # free page reporting, as reclaim measured it (docs/results): Debian's
+    # QEMU even with --patched-qemu, its "off" device names
+    # free-page-reporting=off; on UML the daemon's defaults (it offers bits
+    # 6 and 7, which only the series takes)
+    "reclaim": reporting_variants({"device_props": ("free-page-reporting=off",)},
+                                  stock_qemu=True, zeroing=None),
+    # free page reporting under churn, page faults and idle: the context's
+    # QEMU (--patched-qemu: the patched build, without bits 6 and 7), the
+    # daemon with --no-init-bits
+    "reporting": reporting_variants({}),
+    # never zero twice: reported pages known zero (on) or not; the daemon
+    # is told --no-zero-bits, as the published commands were
     "zeroing": (
-        Variant("vanilla", patched=False),
-        Variant("off", patched=True),
+        Variant("vanilla", patched=False, no_init_bits=NO_ZERO_BITS),
+        Variant("off", patched=True, no_init_bits=NO_ZERO_BITS),
         Variant("on", patched=True, zeroing=True),
-        Variant("limit", patched=True, extra_patches=(LIMIT_PATCH,)),
+        Variant("limit", patched=True, extra_patches=(LIMIT_PATCH,), no_init_bits=NO_ZERO_BITS),
     ),
     # zeroing allocations on a zeroing device: the policy in the guest differs
     "zerofirst": (
@@ -257,6 +278,8 @@ def check_icount(ctx: RunContext, who: str) -> None:
 
 def zeroing(ctx: RunContext, variant: Variant) -> bool:
     """Whether the device zeroes reported and inflated pages for this boot."""
+    if variant.stock_qemu and ctx.machine.patched_qemu:
+        return False  # Debian's QEMU cannot
     if variant.zeroing is None:
         return ctx.patched and ctx.patched_qemu
     return variant.zeroing
@@ -264,7 +287,7 @@ def zeroing(ctx: RunContext, variant: Variant) -> bool:
 
 def daemon_args(variant: Variant) -> list[str]:
     """vhost-user-balloon's arguments for a variant's device."""
-    args = ["--no-init-bits"] if variant.zeroing is False else []
+    args = [variant.no_init_bits] if variant.zeroing is False else []
     if not variant.reporting:
         args.append("--no-reporting")
     return args + list(variant.daemon_args)
@@ -287,6 +310,7 @@ def guest_config(ctx: RunContext, variant: Variant, name: str, plan: Plan,
         # QEMU refuses bit 6 without the reporting queue it belongs to
         device_init_reported=ctx.machine.patched_qemu and zero and variant.reporting,
         device_init_on_inflate=ctx.machine.patched_qemu and zero,
+        balloon_props=list(variant.device_props),
         cpu=plan.cpu, smp=plan.smp, icount=plan.icount, host_cpu=plan.host_cpu)
     return replace(cfg, **overrides)
 

@@ -32,6 +32,8 @@ class GuestConfig:
     # (feature bits 6 / 7, proposed, not allocated; patched QEMU only)
     device_init_reported: bool = False
     device_init_on_inflate: bool = False
+    # more properties of the balloon device ("free-page-reporting=off")
+    balloon_props: list[str] = field(default_factory=list)
     # vhost-user-balloon daemon's socket: UML's virtio_uml device; under QEMU
     # vhost-user-balloon-pci in place of virtio-balloon, RAM in a shared memfd
     vhost_user_balloon: Path | None = None
@@ -71,7 +73,7 @@ def balloon_device(driver: str, cfg: GuestConfig) -> str:
             dev += f",{prop}=on"
     if cfg.free_page_hint:
         dev += f",{HINT_PROPERTY}=on,{IOTHREAD_PROPERTY}=balloon-io"
-    return dev
+    return ",".join([dev, *cfg.balloon_props])
 
 
 class Runner(ABC):

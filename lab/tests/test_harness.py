@@ -105,6 +105,9 @@ def test_daemon_and_qemu_follow_the_variant(tmp_path):
     reporting = harness.family("reporting")
     assert harness.daemon_args(reporting["off"]) == ["--no-init-bits", "--no-reporting"]
     assert harness.daemon_args(reporting["freepage"]) == ["--no-init-bits"]
+    # reclaim's host side is the daemon's default; zeroskip's "off" says the old name
+    assert harness.daemon_args(harness.family("reclaim")["freepage"]) == []
+    assert harness.daemon_args(harness.family("zeroing")["off"]) == ["--no-zero-bits"]
     # the context's device: the daemon's default (it offers the zeroing bits)
     assert harness.daemon_args(harness.CONTEXT) == []
     assert harness.daemon_args(harness.family("zeroing")["on"]) == []

@@ -1,8 +1,8 @@
 """reclaim: the guest populates X MiB, frees it; how fast does the host get it back?
 
-Variants (harness.FAMILIES["reporting"]), each a guest kernel on the same
-host side (Debian's QEMU for qemu, vhost-user-balloon without zeroing bits
-for uml), booted in turn, `repeat` times each, the order rotated per
+Variants (harness.FAMILIES["reclaim"]), each a guest kernel on the same
+host side (Debian's QEMU for qemu, vhost-user-balloon with its defaults
+for uml, as the published figures were measured), booted in turn, `repeat` times each, the order rotated per
 repeat so that drift hits every variant alike:
 
   off       stock 6.12, the device does not offer free page reporting
@@ -116,7 +116,7 @@ class ReclaimScenario(Scenario):
     Params = ReclaimParams
 
     def run(self, ctx: RunContext, params: ReclaimParams) -> Outcome:
-        known = harness.family("reporting")
+        known = harness.family("reclaim")
         for name in params.variants:
             if name != CONTEXT and name not in known:
                 raise LabError(f"reclaim: unknown variant {name!r}; choose from "
