@@ -267,7 +267,8 @@ def check(booted: Booted) -> Booted:
 
 
 def check_icount(ctx: RunContext, who: str) -> None:
-    """-icount needs an emulated CPU (TCG); refuse before anything is built."""
+    """-icount needs an emulated CPU (TCG): scenarios ask before anything is
+    built, start() asks again for every plan with icount."""
     if not ctx.machine.icount:
         raise LabError(f"{who}: guest instruction counts need QEMU, not {ctx.platform}")
     accel = getattr(ctx.runner(), "accel", None)
@@ -368,6 +369,8 @@ def start(ctx: RunContext, variant: Variant, name: str, plan: Plan, *,
     `run_with`: the caller's runner (a QEMU build with test-only patches);
     `daemon`: a vhost-user-balloon the caller runs, which outlives the guest."""
     cfg = guest_config(ctx, variant, name, plan, **overrides)
+    if plan.icount:
+        check_icount(ctx, name)
     run_with = run_with or runner(ctx, variant)
     backend = daemon
     if (backend is None and variant.balloon
