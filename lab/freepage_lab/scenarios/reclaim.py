@@ -2,8 +2,9 @@
 
 Variants (harness.FAMILIES["reclaim"]), each a guest kernel on the same
 host side (Debian's QEMU for qemu, vhost-user-balloon with its defaults
-for uml, as the published figures were measured), booted in turn, `repeat` times each, the order rotated per
-repeat so that drift hits every variant alike:
+for uml, as the published figures were measured), booted in turn,
+`repeat` times each, the order rotated per repeat so that drift hits
+every variant alike:
 
   off       stock 6.12, the device does not offer free page reporting
   stock     stock 6.12 (2 s delay, 1/16 of each free list per pass)
