@@ -7,7 +7,8 @@ the build cache's path, temporary paths and the free TCP port a migration
 listens on (the kernel picks it); `normalise()` replaces exactly those, so
 that anything left in a diff is a different command or message.
 `scripts/compare-dry-runs.py` compares two trees with it, and
-`tests/test_dry_run_golden.py` pins a few runs to files in tests/data.
+`tests/test_dry_run_golden.py` pins the guests and daemons of a few runs
+(`boots()`) to files in tests/data/dry-run.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ FLAG_SETS: tuple[tuple[str, ...], ...] = ((), ("--vanilla",), ("--patched-qemu",
 _STAMP = re.compile(r"/runs/\d{8}-\d{6}-")
 _TEMP = re.compile(r"/tmp/(?:tmp|freepage-)[A-Za-z0-9_]+")
 _PORT = re.compile(r"tcp:127\.0\.0\.1:\d+")
+# a build cache key (kernel.py, qemu.py): a hash of the patches' contents
+_KEY = re.compile(r"\b[0-9a-f]{16}\b")
+# what starts a guest or its host side (a UML kernel, QEMU, the daemon),
+# as opposed to a build step
+_BOOT = re.compile(r"^\$ (\S*/linux |\S*qemu-system-\S+ |\S*/vhost-user-balloon )")
 
 
 def argv(scenario: str, platform: str, flags: tuple[str, ...] = ()) -> list[str]:
@@ -57,3 +63,10 @@ def normalise(text: str, repo: Path, cache: Path, runs: Path | None = None) -> s
 def commands(text: str) -> list[str]:
     """The commands of a dry run's output (the lines Shell.show() printed)."""
     return [line for line in text.splitlines() if line.startswith("$ ")]
+
+
+def boots(text: str) -> list[str]:
+    """The commands that start guests and daemons, build keys replaced:
+    what a variant means (kernel, device, QEMU, daemon flags), and not
+    what a patch's contents or the build steps are."""
+    return [_KEY.sub("<key>", line) for line in commands(text) if _BOOT.match(line)]
