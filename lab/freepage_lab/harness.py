@@ -94,6 +94,18 @@ def reporting_variants(off: dict[str, Any], **host: Any) -> tuple[Variant, ...]:
     )
 
 
+def zeroing_variants(on: dict[str, Any], **host: Any) -> tuple[Variant, ...]:
+    """Stock 6.12, the series off and on, and the series with the unsafe
+    limit patch (no clearing of user pages at all) on one host side
+    (`host`: Variant fields); `on`: what else "on" has."""
+    return (
+        Variant("vanilla", patched=False, **host),
+        Variant("off", patched=True, **host),
+        Variant("on", patched=True, **{**host, **on}),
+        Variant("limit", patched=True, extra_patches=(LIMIT_PATCH,), **host),
+    )
+
+
 FAMILIES: dict[str, dict[str, Variant]] = {name: {v.name: v for v in vs} for name, vs in {
     # free page reporting, as reclaim measured it (docs/results): Debian's
     # QEMU even with --patched-qemu, its "off" device names
@@ -107,25 +119,16 @@ FAMILIES: dict[str, dict[str, Variant]] = {name: {v.name: v for v in vs} for nam
     "reporting": reporting_variants({}),
     # never zero twice: reported pages known zero (on) or not; the daemon
     # is told --no-zero-bits, as the published commands were
-    "zeroing": (
-        Variant("vanilla", patched=False, no_init_bits=NO_ZERO_BITS),
-        Variant("off", patched=True, no_init_bits=NO_ZERO_BITS),
-        Variant("on", patched=True, zeroing=True),
-        Variant("limit", patched=True, extra_patches=(LIMIT_PATCH,), no_init_bits=NO_ZERO_BITS),
-    ),
+    "zeroing": zeroing_variants({"zeroing": True}, no_init_bits=NO_ZERO_BITS),
     # zeroing allocations on a zeroing device: the policy in the guest differs
     "zerofirst": (
         Variant("vanilla", patched=False, zeroing=True),
         Variant("tail", patched=True, extra_patches=(POLICY_PATCH,), zeroing=True),
         Variant("series", patched=True, zeroing=True),
     ),
-    # pre-zeroing: no balloon, so every order may be pre-zeroed
-    "prezero": (
-        Variant("vanilla", patched=False, balloon=False),
-        Variant("off", patched=True, balloon=False),
-        Variant("on", patched=True, balloon=False),
-        Variant("limit", patched=True, extra_patches=(LIMIT_PATCH,), balloon=False),
-    ),
+    # pre-zeroing: no balloon, so every order may be pre-zeroed (the guest
+    # script turns it on)
+    "prezero": zeroing_variants({}, balloon=False),
     # pre-zeroing's cost: one kernel, the guest script sets the knobs
     "prezero_cost": (
         Variant("off", patched=True, balloon=False),
