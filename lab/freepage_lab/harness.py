@@ -52,7 +52,7 @@ class Variant:
     reporting: bool = True
     # the device zeroes reported and inflated pages and says so (bits 6 and
     # 7); None: what the context stands for (the series on the patched QEMU;
-    # UML: the daemon's default, which offers them)
+    # UML: the daemon's default, which offers them); never on Debian's QEMU
     zeroing: bool | None = False
     # free page hinting (QEMU, with an iothread)
     hint: bool = False
