@@ -262,9 +262,20 @@ def zeroing(ctx: RunContext, variant: Variant) -> bool:
     return variant.zeroing
 
 
+# vhost-user-balloon's experimental bits 6 and 7 (off unless asked for),
+# named like the QEMU properties
+DAEMON_INIT_REPORTED = "--x-device-init-reported"
+DAEMON_INIT_ON_INFLATE = "--x-device-init-on-inflate"
+
+
 def daemon_args(variant: Variant) -> list[str]:
-    """vhost-user-balloon's arguments for a variant's device."""
-    args = ["--no-init-bits"] if variant.zeroing is False else []
+    """vhost-user-balloon's arguments for a variant's device: bits 6 and 7
+    unless the variant turns zeroing off (None: the context's device, which
+    offers them), bit 6 only with the reporting queue it belongs to."""
+    args = []
+    if variant.zeroing is not False:
+        args += [DAEMON_INIT_REPORTED] if variant.reporting else []
+        args.append(DAEMON_INIT_ON_INFLATE)
     if not variant.reporting:
         args.append("--no-reporting")
     return args + list(variant.daemon_args)
