@@ -39,7 +39,11 @@ Baselines, expected to fail (FREEPAGE_MIGRATION_BASELINE=...):
   buffers dirty on its own);
 * `unmigratable`: the patched QEMU with
   qemu/bench/vhost-user-balloon-unmigratable.patch, the vhost-user front-end
-  as it was before it migrated (vhost-user test).
+  as it was before it migrated (vhost-user test);
+* `no-migrated-config`: the patched QEMU with
+  qemu/bench/no-migrated-config.patch, whose vhost-user front-end does not
+  hand the configuration to the destination's daemon (vhost-user test: the
+  destination's daemon has target 0).
 """
 
 from __future__ import annotations
@@ -81,6 +85,9 @@ MEM_MIB, FILL_MIB, VERIFY_MIB = 1024, 600, 800
 BANDWIDTH_MIB_S = 30
 # keeps the migration from converging until the guest has freed its data
 CHURN_MIB = 8
+# vhost-user: a balloon the source's daemon asks for, which the destination's
+# daemon must know after the migration (4 KiB pages)
+VHOST_USER_TARGET_PAGES = 2048
 
 
 def vmstat(name: str) -> str:
@@ -181,6 +188,8 @@ def qemu_binary(shell: Shell) -> Path:
         return qemu.build(shell, extra_patches=("no-dirty-discards.patch",)).binary
     if BASELINE == "unmigratable":
         return qemu.build(shell, extra_patches=("vhost-user-balloon-unmigratable.patch",)).binary
+    if BASELINE == "no-migrated-config":
+        return qemu.build(shell, extra_patches=("no-migrated-config.patch",)).binary
     return qemu.build(shell).binary
 
 
@@ -210,6 +219,8 @@ class Outcome:
     migration: dict
     console_tail: str
     differing_pages: int
+    # vhost-user: the destination's daemon after the migration (get_counters)
+    dst_daemon: dict | None = None
 
     def bit(self, n: int) -> bool:
         return len(self.features) > n and self.features[n] == "1"
@@ -248,6 +259,8 @@ def migrate_while_freeing(lab, report: bool, inflate_mib: int = 0, vhost_user: b
         _, _, m = src.wait_for(rf"^{EVENT} features ([01]+)", 120)
         features = m.group(1)
         event(src, "filled", 300)
+        if vhost_user:
+            set_daemon_target(src_run.backend, VHOST_USER_TARGET_PAGES, 120)
         qs, qd = Qmp(tmp_path / "src.qmp"), Qmp(tmp_path / "dst.qmp")
         try:
             qs.execute("migrate-set-parameters", **{
@@ -285,6 +298,7 @@ def migrate_while_freeing(lab, report: bool, inflate_mib: int = 0, vhost_user: b
             if inflate_mib:
                 wait_balloon(qd, MEM_MIB, 180)
                 print(f"[{time.monotonic() - t0:5.0f} s] deflated on the destination", flush=True)
+            dst_daemon = dst_run.backend.request({"cmd": "get_counters"}) if vhost_user else None
         finally:
             qs.close()
             qd.close()
@@ -298,7 +312,17 @@ def migrate_while_freeing(lab, report: bool, inflate_mib: int = 0, vhost_user: b
         print(f"{tag}: {r['nonzero_bytes']} non-zero bytes in {r['mib']} MiB")
     print(f"bits negotiated: 6={features[6:7]} 7={features[7:8]}; warnings: {warnings[:3]}; "
           f"elapsed {time.monotonic() - t0:.0f} s")
-    return Outcome(features, events, populates, warnings, rc, info, dst.tail(30), differ)
+    return Outcome(features, events, populates, warnings, rc, info, dst.tail(30), differ,
+                   dst_daemon)
+
+
+def set_daemon_target(backend, pages: int, timeout: float) -> None:
+    """Ask the guest for a balloon through the daemon, wait until it got there."""
+    backend.request({"cmd": "set_target", "pages": pages})
+    deadline = time.monotonic() + timeout
+    while (c := backend.request({"cmd": "get_counters"}))["actual"] != pages:
+        assert time.monotonic() < deadline, f"balloon at {c['actual']} pages, not {pages}"
+        time.sleep(0.2)
 
 
 def assert_destination_reads_zero(out: Outcome) -> None:
@@ -335,6 +359,13 @@ def test_vhost_user_reported_pages_read_zero_on_the_destination(lab) -> None:
     assert out.events["freed"]["marked_reported"] > 0, \
         "reporting marked no page zero: the test would prove nothing"
     assert_destination_reads_zero(out)
+    # the balloon moved with the guest: the destination's daemon got the
+    # source's target and the guest's actual (SET_CONFIG of a migration)
+    assert out.dst_daemon is not None
+    print(f"destination daemon: target {out.dst_daemon['target']}, "
+          f"actual {out.dst_daemon['actual']}")
+    assert out.dst_daemon["target"] == VHOST_USER_TARGET_PAGES, out.dst_daemon
+    assert out.dst_daemon["actual"] == VHOST_USER_TARGET_PAGES, out.dst_daemon
 
 
 @pytest.mark.skipif(BASELINE == "stock", reason="stock QEMU has no vhost-user-balloon-pci")
