@@ -43,7 +43,10 @@ Baselines, expected to fail (FREEPAGE_MIGRATION_BASELINE=...):
 * `no-migrated-config`: the patched QEMU with
   qemu/bench/no-migrated-config.patch, whose vhost-user front-end does not
   hand the configuration to the destination's daemon (vhost-user test: the
-  destination's daemon has target 0).
+  destination's daemon has target 0);
+* `no-stats-rewind`: the patched QEMU with qemu/bench/no-stats-rewind.patch,
+  whose vhost-user front-end leaves the stats buffer the source's daemon
+  held consumed (vhost-user test: no statistics on the destination).
 """
 
 from __future__ import annotations
@@ -190,6 +193,8 @@ def qemu_binary(shell: Shell) -> Path:
         return qemu.build(shell, extra_patches=("vhost-user-balloon-unmigratable.patch",)).binary
     if BASELINE == "no-migrated-config":
         return qemu.build(shell, extra_patches=("no-migrated-config.patch",)).binary
+    if BASELINE == "no-stats-rewind":
+        return qemu.build(shell, extra_patches=("no-stats-rewind.patch",)).binary
     return qemu.build(shell).binary
 
 
@@ -298,7 +303,12 @@ def migrate_while_freeing(lab, report: bool, inflate_mib: int = 0, vhost_user: b
             if inflate_mib:
                 wait_balloon(qd, MEM_MIB, 180)
                 print(f"[{time.monotonic() - t0:5.0f} s] deflated on the destination", flush=True)
-            dst_daemon = dst_run.backend.request({"cmd": "get_counters"}) if vhost_user else None
+            dst_daemon = None
+            if vhost_user:
+                # the stats buffer the source's daemon held is the destination's now
+                stats = dst_run.backend.request({"cmd": "get_stats", "wait_ms": 4000})
+                dst_daemon = dst_run.backend.request({"cmd": "get_counters"})
+                dst_daemon["stats"] = stats
         finally:
             qs.close()
             qd.close()
@@ -366,6 +376,8 @@ def test_vhost_user_reported_pages_read_zero_on_the_destination(lab) -> None:
           f"actual {out.dst_daemon['actual']}")
     assert out.dst_daemon["target"] == VHOST_USER_TARGET_PAGES, out.dst_daemon
     assert out.dst_daemon["actual"] == VHOST_USER_TARGET_PAGES, out.dst_daemon
+    print(f"destination daemon: stats {out.dst_daemon['stats']}")
+    assert out.dst_daemon["stats"].get("stats"), out.dst_daemon["stats"]
 
 
 @pytest.mark.skipif(BASELINE == "stock", reason="stock QEMU has no vhost-user-balloon-pci")
