@@ -62,8 +62,6 @@ class Variant:
     vhost_user: bool = False
     # more vhost-user-balloon arguments
     daemon_args: tuple[str, ...] = ()
-    # how the daemon is told not to offer bits 6 and 7 (zeroing False)
-    no_init_bits: str = "--no-init-bits"
     # more properties of QEMU's balloon device, as QEMU spells them
     device_props: tuple[str, ...] = ()
 
@@ -78,8 +76,6 @@ POLICY_PATCH = "zero-first-reported.patch"
 
 # the run context's kernel and device (--vanilla, --patched-qemu)
 CONTEXT = Variant("context", zeroing=None)
-# the daemon's older name of --no-init-bits, which it still takes
-NO_ZERO_BITS = "--no-zero-bits"
 
 
 def reporting_variants(off: dict[str, Any], **host: Any) -> tuple[Variant, ...]:
@@ -115,11 +111,10 @@ FAMILIES: dict[str, dict[str, Variant]] = {name: {v.name: v for v in vs} for nam
                                   stock_qemu=True, zeroing=None),
     # free page reporting under churn, page faults and idle: the context's
     # QEMU (--patched-qemu: the patched build, without bits 6 and 7), the
-    # daemon with --no-init-bits
+    # daemon without them
     "reporting": reporting_variants({}),
-    # never zero twice: reported pages known zero (on) or not; the daemon
-    # is told --no-zero-bits, as the published commands were
-    "zeroing": zeroing_variants({"zeroing": True}, no_init_bits=NO_ZERO_BITS),
+    # never zero twice: reported pages known zero (on) or not
+    "zeroing": zeroing_variants({"zeroing": True}),
     # zeroing allocations on a zeroing device: the policy in the guest differs
     "zerofirst": (
         Variant("vanilla", patched=False, zeroing=True),
@@ -289,9 +284,20 @@ def zeroing(ctx: RunContext, variant: Variant) -> bool:
     return variant.zeroing
 
 
+# vhost-user-balloon's experimental bits 6 and 7 (off unless asked for),
+# named like the QEMU properties
+DAEMON_INIT_REPORTED = "--x-device-init-reported"
+DAEMON_INIT_ON_INFLATE = "--x-device-init-on-inflate"
+
+
 def daemon_args(variant: Variant) -> list[str]:
-    """vhost-user-balloon's arguments for a variant's device."""
-    args = [variant.no_init_bits] if variant.zeroing is False else []
+    """vhost-user-balloon's arguments for a variant's device: bits 6 and 7
+    unless the variant turns zeroing off (None: the context's device, which
+    offers them), bit 6 only with the reporting queue it belongs to."""
+    args = []
+    if variant.zeroing is not False:
+        args += [DAEMON_INIT_REPORTED] if variant.reporting else []
+        args.append(DAEMON_INIT_ON_INFLATE)
     if not variant.reporting:
         args.append("--no-reporting")
     return args + list(variant.daemon_args)

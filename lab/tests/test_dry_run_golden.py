@@ -21,9 +21,9 @@ GOLDEN = Path(__file__).parent / "data" / "dry-run"
 CASES = [
     ("reclaim", "uml", ()),  # the daemon's defaults, --no-reporting for off
     ("reclaim", "qemu", ("--patched-qemu",)),  # Debian's QEMU, off device named
-    ("churn", "uml", ()),  # the daemon with --no-init-bits
+    ("churn", "uml", ()),  # the daemon without bits 6 and 7
     ("churn", "qemu", ("--patched-qemu",)),  # the patched build, no bits 6 and 7
-    ("zeroskip", "uml", ()),  # --no-zero-bits but for on
+    ("zeroskip", "uml", ()),  # bits 6 and 7 for "on" only
     ("zeroskip", "qemu", ("--patched-qemu",)),  # the x- properties for on
     ("migrate", "qemu", ("--vanilla",)),  # hinting with an iothread, -incoming
     ("split", "arm64", ()),  # -icount, no balloon

@@ -103,14 +103,14 @@ def test_daemon_and_qemu_follow_the_variant(tmp_path):
     ctx = RunContext(shell=Shell(dry_run=True, quiet=True), run_dir=tmp_path, platform="uml",
                      patched=True, patched_qemu=True)
     reporting = harness.family("reporting")
-    assert harness.daemon_args(reporting["off"]) == ["--no-init-bits", "--no-reporting"]
-    assert harness.daemon_args(reporting["freepage"]) == ["--no-init-bits"]
-    # reclaim's host side is the daemon's default; zeroskip's "off" says the old name
-    assert harness.daemon_args(harness.family("reclaim")["freepage"]) == []
-    assert harness.daemon_args(harness.family("zeroing")["off"]) == ["--no-zero-bits"]
-    # the context's device: the daemon's default (it offers the zeroing bits)
-    assert harness.daemon_args(harness.CONTEXT) == []
-    assert harness.daemon_args(harness.family("zeroing")["on"]) == []
+    assert harness.daemon_args(reporting["off"]) == ["--no-reporting"]
+    assert harness.daemon_args(reporting["freepage"]) == []
+    # the context's device offers the experimental zeroing bits
+    both = ["--x-device-init-reported", "--x-device-init-on-inflate"]
+    assert harness.daemon_args(harness.CONTEXT) == both
+    assert harness.daemon_args(harness.family("zeroing")["on"]) == both
+    # reclaim's host side on UML is the daemon's: it offers the bits
+    assert harness.daemon_args(harness.family("reclaim")["freepage"]) == both
     assert harness.zeroing(ctx, harness.CONTEXT)
     assert not harness.zeroing(ctx.on("uml", patched=False), harness.CONTEXT)
 

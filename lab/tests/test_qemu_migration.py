@@ -21,6 +21,14 @@ proposed, not allocated): the host inflates the balloon over the freed data
 during the migration and deflates it on the destination; the deflated
 pages, which the guest frees as zero, must read zero there.
 
+The same for vhost-user-balloon (the Rust daemon behind the queue's
+vhost-user-balloon-pci front-end, RAM in a shared memfd, one daemon per
+side, both started with the experimental bit flags): the source's daemon
+discards the reported pages and marks them in the vhost dirty log, and the
+paused destination must hold what the source holds.  And a guest that
+negotiated the bits cannot move to a daemon that does not offer them: the
+destination refuses the stream, the guest keeps running on the source.
+
 Baselines, expected to fail (FREEPAGE_MIGRATION_BASELINE=...):
 * `stock`: Debian's QEMU (no qemu/patches), which discards reported pages
   without marking them dirty (reporting test; the guest does not get bit 6
@@ -28,7 +36,17 @@ Baselines, expected to fail (FREEPAGE_MIGRATION_BASELINE=...):
 * `no-dirty`: the patched QEMU with qemu/bench/no-dirty-discards.patch,
   i.e. without "virtio-balloon: mark discarded memory dirty" (balloon test;
   the reporting test passes there: a used length > 0 marks the reported
-  buffers dirty on its own).
+  buffers dirty on its own);
+* `unmigratable`: the patched QEMU with
+  qemu/bench/vhost-user-balloon-unmigratable.patch, the vhost-user front-end
+  as it was before it migrated (vhost-user test);
+* `no-migrated-config`: the patched QEMU with
+  qemu/bench/no-migrated-config.patch, whose vhost-user front-end does not
+  hand the configuration to the destination's daemon (vhost-user test: the
+  destination's daemon has target 0);
+* `no-stats-rewind`: the patched QEMU with qemu/bench/no-stats-rewind.patch,
+  whose vhost-user front-end leaves the stats buffer the source's daemon
+  held consumed (vhost-user test: no statistics on the destination).
 """
 
 from __future__ import annotations
@@ -70,6 +88,9 @@ MEM_MIB, FILL_MIB, VERIFY_MIB = 1024, 600, 800
 BANDWIDTH_MIB_S = 30
 # keeps the migration from converging until the guest has freed its data
 CHURN_MIB = 8
+# vhost-user: a balloon the source's daemon asks for, which the destination's
+# daemon must know after the migration (4 KiB pages)
+VHOST_USER_TARGET_PAGES = 2048
 
 
 def vmstat(name: str) -> str:
@@ -168,6 +189,12 @@ def qemu_binary(shell: Shell) -> Path:
         return STOCK_QEMU
     if BASELINE == "no-dirty":
         return qemu.build(shell, extra_patches=("no-dirty-discards.patch",)).binary
+    if BASELINE == "unmigratable":
+        return qemu.build(shell, extra_patches=("vhost-user-balloon-unmigratable.patch",)).binary
+    if BASELINE == "no-migrated-config":
+        return qemu.build(shell, extra_patches=("no-migrated-config.patch",)).binary
+    if BASELINE == "no-stats-rewind":
+        return qemu.build(shell, extra_patches=("no-stats-rewind.patch",)).binary
     return qemu.build(shell).binary
 
 
@@ -197,20 +224,24 @@ class Outcome:
     migration: dict
     console_tail: str
     differing_pages: int
+    # vhost-user: the destination's daemon after the migration (get_counters)
+    dst_daemon: dict | None = None
 
     def bit(self, n: int) -> bool:
         return len(self.features) > n and self.features[n] == "1"
 
 
-def migrate_while_freeing(lab, report: bool, inflate_mib: int = 0,
+def migrate_while_freeing(lab, report: bool, inflate_mib: int = 0, vhost_user: bool = False,
                           **device: bool) -> Outcome:
     """Boot, fill, migrate; free (and inflate) mid-migration; verify on the destination.
-    `device`: the balloon's bits (GuestConfig fields), as the test asks."""
+    `device`: the balloon's bits (GuestConfig fields), as the test asks;
+    `vhost_user`: vhost-user-balloon-pci and a daemon per side offering both bits."""
     tmp_path = lab.tmp_path
     ctx = lab.context("qemu", patched=True)
     runner = QemuRunner(ctx.shell, "tcg", qemu_binary(ctx.shell))
     port = free_port()
-    variant = harness.Variant("migrate", reporting=report)
+    variant = harness.Variant("migrate", reporting=report, vhost_user=vhost_user,
+                              zeroing=vhost_user)
     boot = dict(initrd="migrate-zero", mem_mib=MEM_MIB, cmdline=tuple(CMDLINE),
                 interactive=True, run_with=runner)
     script = guest_script(report)
@@ -233,6 +264,8 @@ def migrate_while_freeing(lab, report: bool, inflate_mib: int = 0,
         _, _, m = src.wait_for(rf"^{EVENT} features ([01]+)", 120)
         features = m.group(1)
         event(src, "filled", 300)
+        if vhost_user:
+            set_daemon_target(src_run.backend, VHOST_USER_TARGET_PAGES, 120)
         qs, qd = Qmp(tmp_path / "src.qmp"), Qmp(tmp_path / "dst.qmp")
         try:
             qs.execute("migrate-set-parameters", **{
@@ -270,6 +303,12 @@ def migrate_while_freeing(lab, report: bool, inflate_mib: int = 0,
             if inflate_mib:
                 wait_balloon(qd, MEM_MIB, 180)
                 print(f"[{time.monotonic() - t0:5.0f} s] deflated on the destination", flush=True)
+            dst_daemon = None
+            if vhost_user:
+                # the stats buffer the source's daemon held is the destination's now
+                stats = dst_run.backend.request({"cmd": "get_stats", "wait_ms": 4000})
+                dst_daemon = dst_run.backend.request({"cmd": "get_counters"})
+                dst_daemon["stats"] = stats
         finally:
             qs.close()
             qd.close()
@@ -283,7 +322,17 @@ def migrate_while_freeing(lab, report: bool, inflate_mib: int = 0,
         print(f"{tag}: {r['nonzero_bytes']} non-zero bytes in {r['mib']} MiB")
     print(f"bits negotiated: 6={features[6:7]} 7={features[7:8]}; warnings: {warnings[:3]}; "
           f"elapsed {time.monotonic() - t0:.0f} s")
-    return Outcome(features, events, populates, warnings, rc, info, dst.tail(30), differ)
+    return Outcome(features, events, populates, warnings, rc, info, dst.tail(30), differ,
+                   dst_daemon)
+
+
+def set_daemon_target(backend, pages: int, timeout: float) -> None:
+    """Ask the guest for a balloon through the daemon, wait until it got there."""
+    backend.request({"cmd": "set_target", "pages": pages})
+    deadline = time.monotonic() + timeout
+    while (c := backend.request({"cmd": "get_counters"}))["actual"] != pages:
+        assert time.monotonic() < deadline, f"balloon at {c['actual']} pages, not {pages}"
+        time.sleep(0.2)
 
 
 def assert_destination_reads_zero(out: Outcome) -> None:
@@ -309,6 +358,88 @@ def test_reported_pages_read_zero_on_the_destination(lab) -> None:
     if BASELINE != "stock":
         assert out.events["freed"]["marked_reported"] > 0, \
             "reporting marked no page zero: the test would prove nothing"
+
+
+@pytest.mark.skipif(BASELINE == "stock", reason="stock QEMU has no vhost-user-balloon-pci")
+def test_vhost_user_reported_pages_read_zero_on_the_destination(lab) -> None:
+    out = migrate_while_freeing(lab, report=True, vhost_user=True)
+    assert out.bit(BALLOON_BIT_DEVICE_INIT_REPORTED) and \
+        out.bit(BALLOON_BIT_DEVICE_INIT_ON_INFLATE), \
+        f"bits 6/7 not negotiated ({out.features}): nothing is known zero, the test proves nothing"
+    assert out.events["freed"]["marked_reported"] > 0, \
+        "reporting marked no page zero: the test would prove nothing"
+    assert_destination_reads_zero(out)
+    # the balloon moved with the guest: the destination's daemon got the
+    # source's target and the guest's actual (SET_CONFIG of a migration)
+    assert out.dst_daemon is not None
+    print(f"destination daemon: target {out.dst_daemon['target']}, "
+          f"actual {out.dst_daemon['actual']}")
+    assert out.dst_daemon["target"] == VHOST_USER_TARGET_PAGES, out.dst_daemon
+    assert out.dst_daemon["actual"] == VHOST_USER_TARGET_PAGES, out.dst_daemon
+    print(f"destination daemon: stats {out.dst_daemon['stats']}")
+    assert out.dst_daemon["stats"].get("stats"), out.dst_daemon["stats"]
+
+
+@pytest.mark.skipif(BASELINE == "stock", reason="stock QEMU has no vhost-user-balloon-pci")
+def test_vhost_user_bits_do_not_migrate_to_a_daemon_without_them(lab) -> None:
+    """Both daemons must be started with the same x- flags: a guest that
+    negotiated bits 6/7 cannot go to a destination whose daemon does not
+    offer them.  The destination refuses the stream (QEMU's virtio_load());
+    with the return path the source learns it, fails the migration and
+    runs the guest on (without it the source would call the migration
+    completed and leave the guest paused)."""
+    tmp_path = lab.tmp_path
+    ctx = lab.context("qemu", patched=True)
+    runner = QemuRunner(ctx.shell, "tcg", qemu_binary(ctx.shell))
+    port = free_port()
+    features = guestshell.VIRTIO_FEATURES.format(dev="$dev")
+    script = "\n".join([
+        "dev=$(for d in /sys/bus/virtio/devices/*; do "
+        "[ \"$(cat $d/device)\" = 0x0005 ] && echo ${d##*/}; done | head -1)",
+        f"echo \"{EVENT} features $(cat {features})\"",
+        "read go",
+        f"echo \"{EVENT} alive\"",
+    ]) + "\n"
+    boot = dict(initrd="migrate-bits", mem_mib=256, cmdline=tuple(CMDLINE),
+                interactive=True, run_with=runner)
+    on = harness.Variant("bits-on", vhost_user=True, zeroing=True)
+    off = harness.Variant("bits-off", vhost_user=True, zeroing=False)
+    with lab.start(ctx, "src", script, on, **boot,
+                   overrides=dict(qmp_socket=tmp_path / "src.qmp")) as src_run, \
+            lab.start(ctx, "dst", script, off, **boot,
+                      overrides=dict(qmp_socket=tmp_path / "dst.qmp",
+                                     incoming=f"tcp:127.0.0.1:{port}")) as dst_run:
+        src, dst = src_run.guest, dst_run.guest
+        _, _, m = src.wait_for(rf"^{EVENT} features ([01]+)", 120)
+        negotiated = m.group(1)
+        assert negotiated[6:8] == "11", f"bits 6/7 not negotiated on the source: {negotiated}"
+        qs, qd = Qmp(tmp_path / "src.qmp"), Qmp(tmp_path / "dst.qmp")
+        try:
+            for q in (qs, qd):
+                q.execute("migrate-set-capabilities",
+                          capabilities=[{"capability": "return-path", "state": True}])
+            qs.execute("migrate", uri=f"tcp:127.0.0.1:{port}")
+            deadline = time.monotonic() + 240
+            while True:
+                info = qs.execute("query-migrate")
+                assert isinstance(info, dict)
+                status = info.get("status")
+                if status in ("failed", "completed", "cancelled"):
+                    break
+                assert time.monotonic() < deadline, f"migration stuck: {info}"
+                time.sleep(0.2)
+            running = (qs.execute("query-status") or {}).get("status")  # type: ignore[union-attr]
+        finally:
+            qs.close()
+            qd.close()
+        _, line, _ = dst.wait_for(r"Features 0x[0-9a-f]+ unsupported", 30)
+        print(f"source: migration {status}, guest {running}; destination: {line.text}")
+        assert status == "failed", info
+        assert running == "running"
+        src.send("go")
+        src.wait_for(rf"^{EVENT} alive", 60)
+        dst_log = "\n".join(ln.text for ln in dst.lines)
+    assert "Failed to load virtio" in dst_log or "load of migration failed" in dst_log, dst_log[-2000:]
 
 
 @pytest.mark.skipif(BASELINE == "stock", reason="stock QEMU does not offer bit 7")

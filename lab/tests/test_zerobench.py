@@ -142,7 +142,7 @@ def test_dry_run_boots_bench_kernels_and_runs_nothing(capsys, tmp_path, monkeypa
     assert "um-release-patched+bench+page-zeroed-bench" in err
     # off and vanilla run the daemon without bit 6, on with it: 2 rounds x 3 variants
     daemons = [ln for ln in err.splitlines() if "vhost-user-balloon --socket-path" in ln]
-    assert len(daemons) == 6 and sum("--no-zero-bits" in d for d in daemons) == 4
+    assert len(daemons) == 6 and sum("--x-device-init-reported" in d for d in daemons) == 2
     assert not (tmp_path / "runs").exists()
 
 

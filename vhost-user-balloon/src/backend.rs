@@ -101,9 +101,14 @@ pub struct DeviceFeatures {
     pub page_poison: bool,
     /// Offer VIRTIO_BALLOON_F_REPORTING.
     pub reporting: bool,
-    /// Offer the proposed bits 6 (DEVICE_INIT_REPORTED) and 7
-    /// (DEVICE_INIT_ON_INFLATE), if the discarder releases memory.
-    pub init_bits: bool,
+    /// Offer the proposed bit 6 (DEVICE_INIT_REPORTED), if the discarder
+    /// releases memory and reporting is offered. Experimental: off unless
+    /// asked for (`--x-device-init-reported`).
+    pub init_reported: bool,
+    /// Offer the proposed bit 7 (DEVICE_INIT_ON_INFLATE), if the discarder
+    /// releases memory. Experimental: off unless asked for
+    /// (`--x-device-init-on-inflate`).
+    pub init_on_inflate: bool,
     /// Offer VHOST_USER_PROTOCOL_F_BACKEND_REQ (config change notifications).
     pub backend_req: bool,
     /// Offer VHOST_F_LOG_ALL with VHOST_USER_PROTOCOL_F_LOG_SHMFD (dirty
@@ -119,7 +124,8 @@ impl Default for DeviceFeatures {
             deflate_on_oom: true,
             page_poison: true,
             reporting: true,
-            init_bits: true,
+            init_reported: false,
+            init_on_inflate: false,
             backend_req: true,
             dirty_log: true,
         }
@@ -142,9 +148,14 @@ impl DeviceFeatures {
         set(self.deflate_on_oom, spec::F_DEFLATE_ON_OOM);
         set(self.page_poison, spec::F_PAGE_POISON);
         set(self.reporting, spec::F_REPORTING);
-        let init = self.init_bits && releases_memory;
-        set(init && self.reporting, spec::F_DEVICE_INIT_REPORTED);
-        set(init, spec::F_DEVICE_INIT_ON_INFLATE);
+        set(
+            self.init_reported && self.reporting && releases_memory,
+            spec::F_DEVICE_INIT_REPORTED,
+        );
+        set(
+            self.init_on_inflate && releases_memory,
+            spec::F_DEVICE_INIT_ON_INFLATE,
+        );
         // LOG_ALL only together with LOG_SHMFD (protocol_features()): a
         // frontend that migrates must get every discard and fill in its log,
         // or the destination keeps stale pages the guest was told are
@@ -292,6 +303,25 @@ impl DeviceState {
             g.config.poison_val
         } else {
             0
+        }
+    }
+
+    /// Takes the target of a migration's SET_CONFIG (the source's
+    /// `num_pages`): the destination starts from the balloon the guest
+    /// had. The driver-written fields of the same message go the usual
+    /// way (`set_config`). Nothing is sent to the frontend: the guest
+    /// already has this configuration.
+    pub fn restore_migrated_config(&self, offset: u32, bytes: &[u8]) {
+        let at = usize::try_from(offset)
+            .ok()
+            .and_then(|o| spec::CFG_NUM_PAGES.checked_sub(o));
+        let field = at
+            .and_then(|i| bytes.get(i..i.checked_add(4)?))
+            .and_then(|b| <[u8; 4]>::try_from(b).ok());
+        if let Some(b) = field {
+            let pages = u32::from_le_bytes(b);
+            self.target.store(pages, Ordering::Relaxed);
+            info!("balloon target {pages} pages taken from the migrated configuration");
         }
     }
 
@@ -1405,7 +1435,11 @@ mod tests {
 
     #[test]
     fn log_all_is_offered_only_with_log_shmfd() {
-        let on = DeviceFeatures::default();
+        let on = DeviceFeatures {
+            init_reported: true,
+            init_on_inflate: true,
+            ..DeviceFeatures::default()
+        };
         assert!(has(on.virtio_features(true), spec::F_LOG_ALL));
         assert!(on
             .protocol_features()
@@ -1420,6 +1454,11 @@ mod tests {
             .contains(VhostUserProtocolFeatures::LOG_SHMFD));
         // bits 6/7 need a discarder that releases memory
         let f = on.virtio_features(false);
+        assert!(!has(f, spec::F_DEVICE_INIT_REPORTED) && !has(f, spec::F_DEVICE_INIT_ON_INFLATE));
+        let f = on.virtio_features(true);
+        assert!(has(f, spec::F_DEVICE_INIT_REPORTED) && has(f, spec::F_DEVICE_INIT_ON_INFLATE));
+        // experimental: neither is offered unless asked for
+        let f = DeviceFeatures::default().virtio_features(true);
         assert!(!has(f, spec::F_DEVICE_INIT_REPORTED) && !has(f, spec::F_DEVICE_INIT_ON_INFLATE));
     }
 }

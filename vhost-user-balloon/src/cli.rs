@@ -89,10 +89,22 @@ pub struct Args {
     #[arg(long)]
     pub no_page_poison: bool,
 
-    /// Do not offer the proposed bits 6 (DEVICE_INIT_REPORTED) and 7
-    /// (DEVICE_INIT_ON_INFLATE). `--no-zero-bits` is the old name.
-    #[arg(long, alias = "no-zero-bits")]
-    pub no_init_bits: bool,
+    /// Experimental: offer VIRTIO_BALLOON_F_DEVICE_INIT_REPORTED (bit 6):
+    /// reported pages are discarded or written, and the used length says
+    /// so. The bit number follows an in-flight virtio spec proposal and may
+    /// change; a frontend that migrates needs the same setting on both
+    /// sides. Needs free page reporting and a discard mode that releases
+    /// memory.
+    #[arg(long)]
+    pub x_device_init_reported: bool,
+
+    /// Experimental: offer VIRTIO_BALLOON_F_DEVICE_INIT_ON_INFLATE (bit 7):
+    /// the device tells the driver, in a bitmap after each inflate chain,
+    /// which inflated pages read as zero. The bit number follows an
+    /// in-flight virtio spec proposal and may change; a frontend that
+    /// migrates needs the same setting on both sides.
+    #[arg(long)]
+    pub x_device_init_on_inflate: bool,
 
     /// Do not offer VHOST_USER_PROTOCOL_F_BACKEND_REQ; the guest then only
     /// learns a new target when it re-reads the config space itself.
@@ -221,7 +233,8 @@ impl TryFrom<Args> for Config {
                 deflate_on_oom: !a.no_deflate_on_oom,
                 page_poison: !a.no_page_poison,
                 reporting: !a.no_reporting,
-                init_bits: !a.no_init_bits && a.discard != DiscardMode::None,
+                init_reported: a.x_device_init_reported && a.discard != DiscardMode::None,
+                init_on_inflate: a.x_device_init_on_inflate && a.discard != DiscardMode::None,
                 backend_req: !a.no_backend_req,
                 dirty_log: !a.no_dirty_log,
             },
@@ -275,25 +288,24 @@ mod tests {
             "--no-dirty-log",
             "--discard",
             "none",
+            "--x-device-init-reported",
+            "--x-device-init-on-inflate",
         ])
         .unwrap();
         assert!(!c.features.dirty_log);
         assert!(!c.features.stats);
         assert!(!c.features.reporting);
-        assert!(!c.features.init_bits, "discard none implies no init bits");
-        let c = parse(&[
-            "-s",
-            "/tmp/x.sock",
-            "--no-init-bits",
-            "--initial-target",
-            "7",
-        ])
-        .unwrap();
-        assert!(!c.features.init_bits);
+        assert!(
+            !c.features.init_reported && !c.features.init_on_inflate,
+            "discard none implies no init bits"
+        );
+        let c = parse(&["-s", "/tmp/x.sock", "--initial-target", "7"]).unwrap();
+        assert!(!c.features.init_reported && !c.features.init_on_inflate);
         assert_eq!(c.initial_target, 7);
-        // the old name still works (the lab uses it)
-        let c = parse(&["-s", "/tmp/x.sock", "--no-zero-bits"]).unwrap();
-        assert!(!c.features.init_bits);
+        let c = parse(&["-s", "/tmp/x.sock", "--x-device-init-reported"]).unwrap();
+        assert!(c.features.init_reported && !c.features.init_on_inflate);
+        let c = parse(&["-s", "/tmp/x.sock", "--x-device-init-on-inflate"]).unwrap();
+        assert!(!c.features.init_reported && c.features.init_on_inflate);
     }
 
     #[test]

@@ -135,10 +135,11 @@ fn serve_connection(
     let addr = SocketAddr::from_abstract_name(name.as_bytes()).map_err(ServerError::Internal)?;
     let inner = UnixListener::bind_addr(&addr).map_err(ServerError::Internal)?;
     let back = UnixStream::connect_addr(&addr).map_err(ServerError::Internal)?;
-    let (st1, st2) = (state.clone(), state.clone());
+    let (st1, st2, st3) = (state.clone(), state.clone(), state.clone());
     let hooks = Hooks {
         on_protocol_features: Box::new(move |f| st1.set_acked_protocol_features(f)),
         on_backend_channel: Box::new(move |c| st2.set_backend_channel(c)),
+        on_migrated_config: Box::new(move |o, b| st3.restore_migrated_config(o, b)),
     };
     let shim = Shim::spawn(front, back, hooks)?;
     let mut listener = Listener::from(inner);

@@ -55,6 +55,15 @@ pub const BACKEND_CONFIG_CHANGE_MSG: u32 = 2;
 pub const REQ_SET_PROTOCOL_FEATURES: u32 = 16;
 /// `VHOST_USER_SET_BACKEND_REQ_FD` (`SET_SLAVE_REQ_FD`).
 pub const REQ_SET_BACKEND_REQ_FD: u32 = 21;
+/// `VHOST_USER_SET_CONFIG`.
+pub const REQ_SET_CONFIG: u32 = 25;
+/// SET_CONFIG `flags`: the spec's value 1, "used for live migration"
+/// (QEMU's `VHOST_SET_CONFIG_TYPE_MIGRATION`; QEMU sends 0 for a driver's
+/// write). The `vhost` crate reads the field as bit flags (its `WRITABLE`
+/// is 1) and does not hand it to the backend.
+pub const CONFIG_FLAGS_MIGRATION: u32 = 1;
+/// `struct VhostUserConfig` header (offset, size, flags).
+const CONFIG_HDR: usize = 12;
 /// `VHOST_USER_SET_MEM_TABLE`.
 pub const REQ_SET_MEM_TABLE: u32 = 5;
 /// `VHOST_USER_SET_LOG_BASE`.
@@ -306,6 +315,11 @@ fn payload_u64(p: &[u8]) -> Option<u64> {
 }
 
 impl RingTracker {
+    /// Whether any ring runs (between its kick and GET_VRING_BASE).
+    pub fn any_started(&self) -> bool {
+        self.started != 0
+    }
+
     fn is_started(&self, i: u8) -> bool {
         usize::from(i) < MAX_RINGS && self.started & (1u64 << i) != 0
     }
@@ -723,6 +737,26 @@ pub struct Hooks {
     pub on_protocol_features: Box<dyn Fn(u64) + Send>,
     /// SET_BACKEND_REQ_FD channel.
     pub on_backend_channel: Box<dyn Fn(Arc<BackendChannel>) + Send>,
+    /// SET_CONFIG of a migration (offset, bytes): the configuration space
+    /// the source's device had, device-owned fields included.
+    pub on_migrated_config: ConfigHook,
+}
+
+/// Sees the (offset, bytes) of a migration's SET_CONFIG.
+pub type ConfigHook = Box<dyn Fn(u32, &[u8]) + Send>;
+
+/// The (offset, bytes) of a SET_CONFIG payload whose flags say it comes
+/// from a migration; None for any other message or a malformed one (the
+/// library refuses those).
+pub fn migrated_config(request: u32, payload: &[u8]) -> Option<(u32, &[u8])> {
+    if request != REQ_SET_CONFIG {
+        return None;
+    }
+    let offset = payload_u32(payload)?;
+    let size = usize::try_from(payload_u32_at(payload, 4)?).ok()?;
+    let flags = payload_u32_at(payload, 8)?;
+    let bytes = payload.get(CONFIG_HDR..)?;
+    (flags == CONFIG_FLAGS_MIGRATION && bytes.len() == size).then_some((offset, bytes))
 }
 
 /// A received message: its header, the whole message bytes, the fds it carried.
@@ -847,6 +881,14 @@ fn frontend_to_backend(
                 .map_err(ShimError::Spawn)?;
             fds.push(OwnedFd::from(theirs));
             (hooks.on_backend_channel)(chan);
+        }
+        // A migration restores the configuration before the device starts;
+        // the `vhost` crate's own frontend sends 1 for ordinary writes, which
+        // come with the rings running, and stay driver writes.
+        if !rings.any_started() {
+            if let Some((offset, bytes)) = migrated_config(hdr.request, &msg[HDR_SIZE..]) {
+                (hooks.on_migrated_config)(offset, bytes);
+            }
         }
         let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
         send_all(back, &msg, &raw)?;
@@ -1164,6 +1206,25 @@ mod tests {
             }
         }
         p
+    }
+
+    #[test]
+    fn only_a_well_formed_migration_set_config_is_taken() {
+        let msg = |offset: u32, size: u32, flags: u32, bytes: &[u8]| {
+            let mut p = offset.to_le_bytes().to_vec();
+            p.extend_from_slice(&size.to_le_bytes());
+            p.extend_from_slice(&flags.to_le_bytes());
+            p.extend_from_slice(bytes);
+            p
+        };
+        let cfg = [7u8; 16];
+        let p = msg(0, 16, CONFIG_FLAGS_MIGRATION, &cfg);
+        assert_eq!(migrated_config(REQ_SET_CONFIG, &p), Some((0, &cfg[..])));
+        // a driver's write, another request, a size that does not match
+        assert_eq!(migrated_config(REQ_SET_CONFIG, &msg(0, 16, 0, &cfg)), None);
+        assert_eq!(migrated_config(REQ_SET_FEATURES, &p), None);
+        assert_eq!(migrated_config(REQ_SET_CONFIG, &msg(0, 17, 1, &cfg)), None);
+        assert_eq!(migrated_config(REQ_SET_CONFIG, &p[..8]), None);
     }
 
     #[test]

@@ -595,3 +595,40 @@ fn dirty_log_records_discards_fills_and_used_rings() {
     assert_eq!(c["counters"]["dirty_log_misses"], 1, "{c}");
     assert_eq!(c["counters"]["reports_not_initialized"], 1, "{c}");
 }
+
+/// SET_CONFIG payload: offset, size, flags, then the bytes.
+fn set_config_payload(offset: u32, flags: u32, bytes: &[u8]) -> Vec<u8> {
+    let mut p = offset.to_le_bytes().to_vec();
+    p.extend_from_slice(&u32::try_from(bytes.len()).unwrap().to_le_bytes());
+    p.extend_from_slice(&flags.to_le_bytes());
+    p.extend_from_slice(bytes);
+    p
+}
+
+/// On a migration's destination QEMU hands the backend the configuration
+/// space of the source before the device starts (SET_CONFIG, flags 1 =
+/// `VHOST_SET_CONFIG_TYPE_MIGRATION`): the target comes with it, as do
+/// `actual` and `poison_val`. A driver's write (flags 0) still cannot set
+/// the target.
+#[test]
+fn migrated_config_restores_the_target() {
+    let d = start_daemon("migcfg", &[]);
+    let raw = RawFrontend::connect(&d).unwrap();
+    raw.handshake(VhostUserProtocolFeatures::empty()).unwrap();
+    let mut cfg = [0u8; 16];
+    cfg[0..4].copy_from_slice(&4242u32.to_le_bytes()); // num_pages
+    cfg[4..8].copy_from_slice(&17u32.to_le_bytes()); // actual
+    cfg[12..16].copy_from_slice(&0x5555_5555u32.to_le_bytes()); // poison_val
+    let ack = raw.acked(req::SET_CONFIG, &set_config_payload(0, 1, &cfg), &[]);
+    assert!(matches!(ack, Ok(0)), "{ack:?}");
+    let c = wait_counters(&d, |c| c["actual"] == 17);
+    assert_eq!(c["target"], 4242, "{c}");
+    assert_eq!(c["poison_val"], 0x5555_5555u32, "{c}");
+
+    cfg[0..4].copy_from_slice(&9u32.to_le_bytes());
+    cfg[4..8].copy_from_slice(&18u32.to_le_bytes());
+    let ack = raw.acked(req::SET_CONFIG, &set_config_payload(0, 0, &cfg), &[]);
+    assert!(matches!(ack, Ok(0)), "{ack:?}");
+    let c = wait_counters(&d, |c| c["actual"] == 18);
+    assert_eq!(c["target"], 4242, "a driver's write set the target: {c}");
+}

@@ -179,7 +179,11 @@ fn device_with(d: Arc<dyn Discarder>, threads: Option<usize>) -> Dev {
     let mem = GuestMem::from_ranges(&[(GuestAddress(0), MEM as usize)]).unwrap();
     let atomic = GuestMemoryAtomic::new(mem.clone());
     let state = Arc::new(DeviceState::new(0).unwrap());
-    let f = DeviceFeatures::default();
+    let f = DeviceFeatures {
+        init_reported: true,
+        init_on_inflate: true,
+        ..DeviceFeatures::default()
+    };
     let backend = match threads {
         None => BalloonBackend::new(state.clone(), d, f),
         Some(n) => BalloonBackend::with_discard_threads(state.clone(), d, f, n).unwrap(),

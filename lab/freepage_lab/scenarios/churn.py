@@ -16,9 +16,8 @@ every variant once, in an order that rotates from repeat to repeat):
   stock250  stock 6.12 with a 250 ms delay (kernel/bench/stock-delay-250ms.patch)
   freepage  the series with its defaults
 The balloon is the same device for every variant (UML: vhost-user-balloon
-with --no-init-bits; QEMU: the run's virtio-balloon-pci, Debian's or with
---patched-qemu the patched build's, without bits 6 and 7), so only the
-guest's reporting differs.
+without its experimental bits 6/7; QEMU: Debian's virtio-balloon), so only the guest's
+reporting differs.
 
 Per boot: the guest settles (boot-time reporting ends), then runs
 `churn`; the host reads the VMM's faults and CPU time (/proc/<pid>/stat

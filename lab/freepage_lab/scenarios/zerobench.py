@@ -14,8 +14,8 @@ every kernel of this scenario) adds /sys/module/page_zeroed_bench/parameters/run
 Variants, alternating ABBA across boots in one run:
   vanilla  stock kernel + the bench patch (the overhead reference)
   off      patched kernel + bench patch, reported pages are not known zero
-           (UML: vhost-user-balloon started with --no-zero-bits; QEMU: no
-           override)
+           (UML: vhost-user-balloon without --x-device-init-reported; QEMU:
+           no override)
   on       patched kernel + bench patch, reported pages are known zero and
            __GFP_ZERO skips clearing them (bit 6 negotiated: UML through
            vhost-user-balloon, QEMU through the patched QEMU of qemu/)

@@ -7,7 +7,7 @@ Variants, alternating in one run:
            zeroes user pages: how fast a populate could possibly be
   on       patched kernel, reported pages known zero: bit 6 negotiated
            with the patched QEMU of qemu/, or with vhost-user-balloon on
-           UML (`off` there runs it with --no-zero-bits).
+           UML (`off` there runs it without --x-device-init-reported).
 Per mode and repetition: populate with data, free, report now (the
 series' page_reporting.flush knob; the stock kernel waits for its 2 s
 timer), then time a populate of the same size with every byte verified and

@@ -155,11 +155,13 @@ fn spawn_daemon(name: &str, args: &[&str], logged: bool) -> Daemon {
         Some(p) => Stdio::from(File::create(p).unwrap()),
         None => Stdio::inherit(),
     };
+    // The test frontends negotiate the experimental bits 6 and 7.
     let child = Command::new(BIN)
         .arg("--socket-path")
         .arg(&sock)
         .arg("--control-socket")
         .arg(&ctl)
+        .args(["--x-device-init-reported", "--x-device-init-on-inflate"])
         .args(args)
         .stderr(stderr)
         .spawn()
