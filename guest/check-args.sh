@@ -24,6 +24,8 @@ for bad in abc 12x -1 "" 0x 99999999999999999999999; do
 	expect_refused dirty --mib --mib "$bad"
 	expect_refused pagefault --mib --mib "$bad" --seconds 1
 	expect_refused cachewalk --kib --kib "$bad"
+	expect_refused hugefit --mib --mib "$bad" --ms 1
+	expect_refused hugefit --ms --mib 2 --ms "$bad"
 done
 expect_refused populate --fill --mib 1 --fill 0x100
 expect_refused populate --repeat --mib 1 --repeat 4294967296

@@ -2,24 +2,56 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-from . import paths
+from . import buildcache, paths
 from .shell import LabError, Shell
 
 
+def source_key() -> str:
+    """A digest of the daemon's sources: what its binary is built from."""
+    h = hashlib.sha256()
+    root = paths.BACKEND_DIR
+    files = [root / "Cargo.toml", root / "Cargo.lock", *sorted((root / "src").rglob("*.rs"))]
+    for f in files:
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def binary(shell: Shell) -> Path:
-    """Build (or reuse) the release binary."""
-    target = paths.cache_dir() / "cargo-target"
-    shell.run(["make", "-s", "-C", paths.BACKEND_DIR, "build", f"CARGO_TARGET_DIR={target}"],
-              what="build vhost-user-balloon")
-    return target / "release" / "vhost-user-balloon"
+    """The release binary of this tree's sources, built once per content.
+
+    Worktrees share the cargo target directory (dependencies build once),
+    so the binary it holds is whichever tree built last: each build is
+    copied out to a directory of its own sources' key, and a guest always
+    runs the daemon of the tree that boots it.
+    """
+    cache = paths.cache_dir()
+    out = cache / "daemon" / source_key()
+    exe = out / "vhost-user-balloon"
+    target = cache / "cargo-target"
+
+    def make(_src: Path, dest: Path) -> bool:
+        shell.run(["make", "-s", "-C", paths.BACKEND_DIR, "build", f"CARGO_TARGET_DIR={target}"],
+                  what="build vhost-user-balloon")
+        if shell.dry_run:
+            return False
+        shutil.copy2(target / "release" / "vhost-user-balloon", dest / exe.name)
+        return True
+
+    # one lock for every key: they share the target directory
+    build = buildcache.Build(label="vhost-user-balloon", what="daemon", out=out, product=exe,
+                             lock=cache / "daemon" / ".lock", shown=exe)
+    buildcache.build_once(shell, build, lambda: paths.BACKEND_DIR, make)
+    return exe
 
 
 class BalloonBackend:

@@ -26,6 +26,7 @@ COUNTER_TAG = "REPORTING-COUNTER"
 # VIRTIO_BALLOON_F_DEVICE_INIT_REPORTED: proposed to the virtio TC
 # (virtio-spec issue #244), not allocated yet
 BIT_DEVICE_INIT_REPORTED = 6
+BIT_DEVICE_INIT_ON_INFLATE = 7
 # virtio feature bits the guest negotiated, one '0'/'1' per bit
 VIRTIO_FEATURES = "/sys/bus/virtio/devices/{dev}/features"
 # the balloon's negotiated feature string, from a guest shell

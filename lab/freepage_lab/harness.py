@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from . import platforms
 from .backend import BalloonBackend
 from .context import RunContext
 from .footprint import Sample, Sampler
@@ -312,9 +313,14 @@ def guest_config(ctx: RunContext, variant: Variant, name: str, plan: Plan,
                  **overrides: Any) -> GuestConfig:
     """The variant's guest; `overrides` replace any GuestConfig field."""
     zero = zeroing(ctx, variant)
+    cmdline = list(plan.cmdline)
+    patched = ctx.patched if variant.patched is None else variant.patched
+    if patched and variant.zeroing is not False:
+        # the series takes the device's word only when told to
+        cmdline = [*platforms.arch(ctx.arch).device_init_opt_in, *cmdline]
     cfg = GuestConfig(
         kernel=kernel(ctx, variant), initrd=ctx.initrd(plan.initrd or name, plan.script),
-        mem_mib=plan.mem_mib, cmdline=list(plan.cmdline), extra_args=list(plan.extra_args),
+        mem_mib=plan.mem_mib, cmdline=cmdline, extra_args=list(plan.extra_args),
         balloon=variant.balloon, free_page_reporting=variant.reporting,
         free_page_hint=variant.hint,
         # QEMU refuses bit 6 without the reporting queue it belongs to

@@ -17,7 +17,7 @@ from . import paths, platforms
 from .shell import LabError, Shell
 
 BUSYBOX = Path("/bin/busybox")
-GUEST_PROGS = ("populate", "dirty", "churn", "pagefault", "cachewalk")
+GUEST_PROGS = ("populate", "dirty", "churn", "pagefault", "cachewalk", "hugefit")
 
 # Markers the host parses from the console.
 BOOTED = "FREEPAGE-BOOTED"

@@ -28,6 +28,9 @@ class Arch:
     busybox_package: str = ""
     # the initramfs carries the KVM selftests (/kvm)
     kvm_selftests: bool = False
+    # the series kernel's command line that lets virtio-balloon take the
+    # device's word on zeroed pages (bits 6 and 7 are opt-in in the guest)
+    device_init_opt_in: tuple[str, ...] = ()
 
     @property
     def cc(self) -> str:
@@ -35,8 +38,9 @@ class Arch:
 
 
 ARCHES: dict[str, Arch] = {a.name: a for a in (
-    Arch("um", "linux", "defconfig"),
-    Arch("x86_64", "arch/x86/boot/bzImage", "tinyconfig"),
+    Arch("um", "linux", "defconfig", device_init_opt_in=("virtio_balloon.device_init=1",)),
+    Arch("x86_64", "arch/x86/boot/bzImage", "tinyconfig",
+         device_init_opt_in=("virtio_balloon.device_init=1",)),
     # Debian's busybox-static:arm64 is not Multi-Arch: unpacked from the .deb
     Arch("arm64", "arch/arm64/boot/Image", "tinyconfig", "aarch64-linux-gnu-",
          "busybox-static:arm64", kvm_selftests=True),

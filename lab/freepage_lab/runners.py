@@ -40,7 +40,7 @@ class GuestConfig:
     qmp_socket: Path | None = None
     incoming: str | None = None
     cpu: str | None = None  # QEMU -cpu model; default max (TCG) / host (KVM)
-    smp: int = 1  # arm64 only: x86_64 guests keep one vCPU
+    smp: int = 1  # vCPUs (QEMU); UML runs one
     # arm64 only: -icount shift=0, one guest instruction per virtual
     # nanosecond, so guest clocks count instructions (work, not time)
     icount: bool = False
@@ -172,7 +172,7 @@ class QemuRunner(Runner):
             # the daemon maps guest RAM: it must be a shared file
             machine += ",memory-backend=mem"
         argv = [str(self.binary), "-machine", machine,
-                "-cpu", cfg.cpu or ("max" if self.accel == "tcg" else "host"), "-smp", "1",
+                "-cpu", cfg.cpu or ("max" if self.accel == "tcg" else "host"), "-smp", str(cfg.smp),
                 "-m", f"{cfg.mem_mib}M", "-kernel", str(cfg.kernel), "-initrd", str(cfg.initrd),
                 "-append", append, "-display", "none", "-monitor", "none",
                 "-serial", "stdio", "-no-reboot", "-nodefaults"]

@@ -81,6 +81,36 @@ echo "features $f"
     assert seen["poison"][bit] == "0", seen
 
 
+def features_line(lines) -> str:
+    return next(t for t in lines if t.startswith("features ")).split()[1]
+
+
+def test_device_init_bits_are_opt_in_and_modern_only(lab):
+    """Bits 6 and 7 put the guest's own isolation in the host's hands: the
+    driver takes them only with virtio_balloon.device_init=1, and only from a
+    modern (VERSION_1) device, whose used lengths it can trust. The daemon
+    (UML) and the patched QEMU offer both bits."""
+    script = f"""echo "features {guestshell.BALLOON_FEATURES}"
+"""
+    bits = (guestshell.BIT_DEVICE_INIT_REPORTED, guestshell.BIT_DEVICE_INIT_ON_INFLATE)
+    uml = lab.context("uml", patched=True)
+    seen = {}
+    booted = lab.boot(uml, "opted-in", script, lab.OFFERED, mem_mib=256, timeout_s=120)
+    seen["opted-in"] = features_line(booted.lines)
+    with lab.start(uml, "not-opted-in", script, lab.OFFERED, mem_mib=256, timeout_s=120,
+                   overrides={"cmdline": []}) as run:
+        assert run.wait_exit(120) == 0
+        seen["not-opted-in"] = features_line(run.booted.lines)
+    qemu = lab.context("qemu", patched=True, patched_qemu=True)
+    legacy = harness.Variant("legacy", zeroing=True,
+                             device_props=("disable-modern=on", "disable-legacy=off"))
+    booted = lab.boot(qemu, "legacy", script, legacy, mem_mib=512, timeout_s=300)
+    seen["legacy"] = features_line(booted.lines)
+    assert [seen["opted-in"][b] for b in bits] == ["1", "1"], seen
+    assert [seen["not-opted-in"][b] for b in bits] == ["0", "0"], seen
+    assert [seen["legacy"][b] for b in bits] == ["0", "0"], seen
+
+
 @pytest.mark.parametrize("platform", ["qemu", "uml"])
 def test_reported_memory_reads_zero_and_zeroing_is_skipped(lab, platform):
     """Debug verification on: every page handed out as known zero is checked."""

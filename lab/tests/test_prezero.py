@@ -232,3 +232,107 @@ def test_prezero_stays_inside_its_cpu_cap_on_qemu(lab):
     assert e["saturated"] == 3, f"the pool ran out, the cap was not tested:\n{out.table}"
     assert max(e["raw_share"]) <= 0.05, out.table
     assert min(e["raw_share"]) >= 0.03, f"far below the cap: throttled too hard?\n{out.table}"
+
+
+FIT_ROUNDS = 3
+FIT_PAGES = 512  # 1 GiB of 2 MiB pages: clearing them takes a good part of a second under TCG
+
+
+def hugetlb_fit_script() -> str:
+    """Dirty the whole pool, then reserve exactly the pool again and again
+    (hugefit) while kprezerod clears the folios; then shrink the pool to
+    nothing during a clearing."""
+    return f"""{shell_helpers(3)}
+[ -d {PREZERO_DIR} ] || {{ echo 'no {PREZERO_DIR}' >&2; exit 3; }}
+echo {FIT_PAGES} > /proc/sys/vm/nr_hugepages
+[ "$(cat /proc/sys/vm/nr_hugepages)" = {FIT_PAGES} ] || {{ echo 'no huge pages' >&2; exit 4; }}
+echo 100 > {PREZERO_DIR}/cpu_percent
+echo {MAX_ORDER} > {PREZERO_DIR}/min_order
+echo 1 > {PREZERO_DIR}/enabled
+# the thread clears on the first CPU while the reservations run on the second
+for p in /proc/[0-9]*; do
+\t[ "$(cat $p/comm 2>/dev/null)" = kprezerod ] && taskset -p 1 ${{p#/proc/}} >/dev/null
+done
+taskset -p 2 $$ >/dev/null
+ev start all
+i=0
+while [ $i -lt {FIT_ROUNDS} ]; do
+\tpopulate --mib {FIT_PAGES * 2} --mode hugetlb --tag dirty >/dev/null || exit 5
+\t# the thread looks at the pool within a second
+\thugefit --mib {FIT_PAGES * 2} --ms 2000
+\ti=$((i+1))
+done
+ev fitted all
+populate --mib {FIT_PAGES * 2} --mode hugetlb --tag last >/dev/null || exit 5
+sleep 1.2
+echo 0 > /proc/sys/vm/nr_hugepages
+echo "{EVENT} shrink total $(cat /proc/sys/vm/nr_hugepages)"
+echo 0 > {PREZERO_DIR}/enabled
+"""
+
+
+def test_hugetlb_folio_being_cleared_stays_in_the_pool_on_qemu(lab):
+    """A folio kprezerod is clearing stays on its free list and counted as
+    free: a mapping that fits the pool exactly, faulted in while the thread
+    clears the folio the mapping before freed, always succeeds, and
+    `nr_hugepages=0` during a clearing leaves no folio behind.
+
+    When the clearing took the folio off its list and out of
+    free_huge_pages, the exact-fit mmap failed with ENOMEM whenever it
+    found the folio under clearing (the kernel's own hugetlb_fault_after_madv
+    failed the same way), and the shrink left the folio in the pool."""
+    ctx = lab.context("qemu", patched=True)
+    # two CPUs: the populates run beside the thread, as on any SMP guest
+    booted = lab.boot(ctx, "prezero-hugetlb-fit", hugetlb_fit_script(), lab.PLAIN,
+                      mem_mib=2048, smp=2)
+    lines = booted.lines
+    fits = booted.records("hugefit")
+    shrink = [ln.split() for ln in lines if ln.startswith(f"{EVENT} shrink ")]
+    events = parse_events(lines)
+    cleared = delta(events, "all", "start", "fitted")["pgzero_prezero_hugetlb"]
+    assert len(fits) == FIT_ROUNDS and shrink, lines[-20:]
+    # the race was there to lose: kprezerod cleared folios meanwhile
+    assert cleared > 0, events
+    refused = [f"{r['refused']} of {r['tries']} ({r['error']})" for r in fits if r["refused"]]
+    assert not refused, f"exact-fit reservations refused while the pool was cleared: {refused}"
+    assert shrink[0][3] == "0", f"nr_hugepages=0 left {shrink[0][3]} folios"
+
+
+def pageblocks_script() -> str:
+    """Pageblock counts per migratetype before and after a pre-zeroing run,
+    with no reporting device: every order and list is open to the thread."""
+    blocks = ("awk '/^Number of blocks type/ {on=1; next} on && /^Node/ "
+              "{$1=$2=$3=$4=\"\"; printf \"%s;\", $0} on && !/^Node/ {on=0}' /proc/pagetypeinfo")
+    return f"""{shell_helpers(3)}
+[ -d {PREZERO_DIR} ] || {{ echo 'no {PREZERO_DIR}' >&2; exit 3; }}
+populate --mib {MIB} --mode 4k --fill 0xa5 --tag dirty >/dev/null
+sleep 2
+echo "FREEPAGE-BLOCKS before $({blocks})"
+ev start all
+echo 0 > {PREZERO_DIR}/min_order
+echo 1 > {PREZERO_DIR}/enabled
+prezero_wait 180 all
+ev warm all
+echo 0 > {PREZERO_DIR}/enabled
+echo "FREEPAGE-BLOCKS after $({blocks})"
+"""
+
+
+def test_prezero_leaves_pageblock_types_alone(lab):
+    """kprezerod takes movable blocks no larger than a pageblock, so
+    __isolate_free_page() never relabels a pageblock: the pageblock counts
+    per migratetype in /proc/pagetypeinfo are the same before and after a
+    run (UML, no reporting device, every order open).
+
+    When it took blocks of any migratetype, largest first, the free
+    unmovable and reclaimable pageblocks it cleared came back movable."""
+    ctx = lab.context("uml", patched=True)
+    booted = lab.boot(ctx, "prezero-pageblocks", pageblocks_script(), lab.BARE, mem_mib=1024)
+    got = {ln.split()[1]: ln.split(None, 2)[2] if len(ln.split()) > 2 else ""
+           for ln in booted.lines if ln.startswith("FREEPAGE-BLOCKS ")}
+    cleared = delta(parse_events(booted.lines), "all", "start", "warm")["pgzero_marked_prezero"]
+    assert set(got) == {"before", "after"}, booted.lines[-20:]
+    assert got["before"].strip(), "no pageblock counts read"
+    assert cleared > 0, "the thread cleared nothing: the test shows nothing"
+    assert got["after"] == got["before"], \
+        f"pageblocks per migratetype changed:\n before {got['before']}\n after  {got['after']}"
