@@ -131,3 +131,35 @@ def test_recorded_1gib_run_every_level3_visit_gone():
     for c in cases.values():
         assert c["series"]["visits_by_level"][3] == 0
         assert c["series"]["visits_by_level"][:3] == c["stock"]["visits_by_level"][:3]
+
+
+def test_guest_page_size_picks_the_selftest_mode():
+    assert "-m 8 -v 1" in split.guest_script(split.Params(guest_page_kib=64))
+    assert "-m 6 -v 1" in split.guest_script(split.Params())
+
+
+def test_ioctl_net_of_the_visit_counting_and_next_to_the_document():
+    def case(variant_ns, visits, manual):
+        return split.parse_record(rec(backing="anonymous_thp", manual=manual, visits=visits,
+                                      enable=variant_ns, clear=variant_ns))
+    stock = case("0.100000000", (0, 1, 512, 262144), "-g")
+    series = case("0.050000000", (0, 1, 512, 0), "-g")
+    # 7 instructions per counted last-level visit, 8 above
+    assert stock["stats_overhead_insns"] == 8 * 513 + 7 * 262144
+    assert stock["ioctl_net_insns"] == 100_000_000 - stock["stats_overhead_insns"]
+    assert series["ioctl_net_insns"] == 50_000_000 - 8 * 513
+    [c] = split.summarise_cases({"stock": [stock], "series": [series]})
+    out = split.render_ioctls([c])
+    assert "enable (manual off)" in out and "-24.7%" in out  # the document's THP figure
+    assert "yes" in out
+    on = split.parse_record(rec(manual="manual", visits=(0, 1, 1, 0), enable="", clear="1.0"))
+    assert on["ioctl_net_insns"] == 1_000_000_000 - 16
+
+
+def test_bad_guest_page_size_is_refused(tmp_path):
+    from freepage_lab.context import RunContext
+    from freepage_lab.shell import Shell
+
+    ctx = RunContext(shell=Shell(dry_run=True), run_dir=tmp_path, platform="arm64")
+    with pytest.raises(LabError, match="guest_page_kib"):
+        split.Split().run(ctx, split.Split().params({"guest_page_kib": "8"}))
