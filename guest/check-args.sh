@@ -26,6 +26,8 @@ for bad in abc 12x -1 "" 0x 99999999999999999999999; do
 	expect_refused cachewalk --kib --kib "$bad"
 	expect_refused hugefit --mib --mib "$bad" --ms 1
 	expect_refused hugefit --ms --mib 2 --ms "$bad"
+	expect_refused fragment --mib --mib "$bad"
+	expect_refused fragment --seconds --mib 1 --seconds "$bad"
 done
 expect_refused populate --fill --mib 1 --fill 0x100
 expect_refused populate --repeat --mib 1 --repeat 4294967296
@@ -33,6 +35,7 @@ expect_refused churn --iterations --mib 1 --iterations 1e3
 expect_refused cachewalk --seconds --kib 64 --seconds nan
 expect_refused dirty --pace-ms --mib 1 --pace-ms 5ms
 expect_refused pagefault --seconds --mib 1 --seconds 2.5
+expect_refused fragment --sleep-ms --mib 1 --sleep-ms 1e2
 
 [ $fail = 0 ] && echo "check-args: every bad number refused"
 exit $fail

@@ -17,7 +17,8 @@ from . import paths, platforms
 from .shell import LabError, Shell
 
 BUSYBOX = Path("/bin/busybox")
-GUEST_PROGS = ("populate", "dirty", "churn", "pagefault", "cachewalk", "hugefit")
+GUEST_PROGS = ("populate", "dirty", "churn", "pagefault", "cachewalk", "hugefit",
+               "fragment")
 
 # Markers the host parses from the console.
 BOOTED = "FREEPAGE-BOOTED"
