@@ -212,6 +212,8 @@ class Plan:
     poweroff: bool = True
     # the guest's console takes input (QEMU -serial stdio)
     interactive: bool = False
+    # selftests suites the initramfs carries besides the arch's own (selftests.SUITES)
+    selftests: tuple[str, ...] = ()
 
 
 @dataclass
@@ -307,7 +309,8 @@ def guest_config(ctx: RunContext, variant: Variant, name: str, plan: Plan,
     """The variant's guest; `overrides` replace any GuestConfig field."""
     zero = zeroing(ctx, variant)
     cfg = GuestConfig(
-        kernel=kernel(ctx, variant), initrd=ctx.initrd(plan.initrd or name, plan.script),
+        kernel=kernel(ctx, variant),
+        initrd=ctx.initrd(plan.initrd or name, plan.script, plan.selftests),
         mem_mib=plan.mem_mib, cmdline=list(plan.cmdline), extra_args=list(plan.extra_args),
         balloon=variant.balloon, free_page_reporting=variant.reporting,
         free_page_hint=variant.hint,
