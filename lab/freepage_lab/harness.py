@@ -148,6 +148,12 @@ FAMILIES: dict[str, dict[str, Variant]] = {name: {v.name: v for v in vs} for nam
     # pre-zeroing's CPU cap, and its footprint beside a reporting balloon
     "prezero_cpu": (Variant("series", patched=True, balloon=False),),
     "prezero_footprint": (Variant("series", patched=True, zeroing=True),),
+    # the kernel's mm selftests: stock and the series on one device (the
+    # series' configurations differ only inside the guest: mmselftests.CONFIGS)
+    "mm_selftests": (
+        Variant("stock", patched=False, stock_qemu=True),
+        Variant("series", patched=True, stock_qemu=True),
+    ),
     # the context's kernel, migrated with and without free page hinting
     "migrate": (
         Variant("no-hint", reporting=False),

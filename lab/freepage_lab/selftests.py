@@ -75,7 +75,7 @@ KVM = Suite("kvm", "arm64",
 MM = Suite("mm", "x86_64", (
     "compaction_test", "cow", "droppable", "gup_longterm", "gup_test", "hugepage-mmap",
     "hugepage-mremap", "hugepage-shm", "hugepage-vmemmap", "hugetlb-madvise", "hugetlb_dio",
-    "hugetlb_fault_after_madv", "hugetlb_madv_vs_map", "khugepaged", "ksm_functional_tests",
+    "hugetlb_fault_after_madv", "hugetlb_madv_vs_map", "ksm_functional_tests",
     "ksm_tests", "madv_populate", "map_fixed_noreplace", "map_hugetlb", "map_populate",
     "mdwe_test", "memfd_secret", "mkdirty", "mlock-random-test", "mlock2-tests",
     "mrelease_test", "mremap_dontunmap", "mremap_test", "mseal_test", "pagemap_ioctl",
@@ -114,6 +114,8 @@ def build(shell: Shell, suite: Suite = KVM) -> Path:
 
     def make(src: Path, out: Path) -> bool:
         if not shell.dry_run:
+            # the mm Makefile links into OUTPUT without making it
+            bins.mkdir(parents=True, exist_ok=True)
             (out / "gen" / "tools").mkdir(parents=True, exist_ok=True)
         shell.run(headers_argv(suite, src, out), log=out / "headers.log",
                   what=f"install {suite.arch} uapi headers")
