@@ -157,7 +157,8 @@ def cmd_mm_selftests(args: argparse.Namespace, shell: Shell) -> int:
     tests = mmselftests.select(tuple(args.only), args.quick)
     configs = (tuple(c for c in ",".join(args.configs).split(",") if c)
                or tuple(mmselftests.CONFIGS))
-    rc, _, text = mmselftests.run(ctx, args.runs, tests, configs)
+    rc, _, text = mmselftests.run(ctx, args.runs, tests, configs,
+                                  tuple(Path(d) for d in args.with_runs))
     print(text)
     if not shell.dry_run:
         print(f"results: {ctx.run_dir}")
@@ -277,6 +278,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--configs", action="append", default=[],
                    help="comma-separated configurations (default: "
                    f"{','.join(mmselftests.CONFIGS)})")
+    m.add_argument("--with", dest="with_runs", action="append", default=[],
+                   metavar="RUN_DIR", help="add the boots of an earlier run of the same "
+                   "tests to the table and the gate (repeatable)")
     m.add_argument("--accel", choices=("auto", "tcg", "kvm"), default="auto")
     m.set_defaults(func=cmd_mm_selftests)
 

@@ -36,7 +36,7 @@ def test_the_script_runs_each_test_in_order_with_run_vmtests_setup():
     script = mmselftests.guest_script(tests, "echo setup")
     assert "echo 128 > /proc/sys/vm/nr_hugepages" in script
     assert script.index("echo setup") < script.index("cd /mm")
-    fault = script.index("run 'hugetlb_fault_after_madv' 300 ./hugetlb_fault_after_madv")
+    fault = script.index("run 'hugetlb_fault_after_madv' 900 ./hugetlb_fault_after_madv")
     # one and just one huge page for it, the pool restored after
     assert script.rindex("echo 1 > /proc/sys/vm/nr_hugepages", 0, fault) > \
         script.index("run 'hugepage-mmap'")
@@ -161,3 +161,20 @@ def test_dry_run_boots_every_configuration(tmp_path, capsys, monkeypatch):
     assert sum("init_on_free=1" in g for g in guests) == 1
     assert all("free-page-reporting=on" in g and "-m 3072M" in g for g in guests)
     assert "vanilla+mm-selftests" in guests[0] and "patched+mm-selftests" in guests[1]
+
+
+def test_earlier_runs_join_the_table_and_the_gate(tmp_path):
+    tests = mmselftests.select(only=(MADV, "cow"))
+    boots = three_runs([1, 0, 1])
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    ctx = RunContext(shell=Shell(), run_dir=earlier)
+    ctx.save(mmselftests.RESULT, {"tests": [t.name for t in tests],
+                                  "boots": [__import__("dataclasses").asdict(b) for b in boots]})
+    again = RunContext(shell=Shell(), run_dir=tmp_path / "again")
+    (tmp_path / "again").mkdir()
+    rc, data, text = mmselftests.run(again, 0, tests, ("stock",), (earlier,))
+    assert rc == 1 and data["configs"] == ["stock", "prezero"]
+    assert f"REGRESSION {MADV}: passes on stock every run, prezero: 1/3 (fail 2)" in text
+    with pytest.raises(LabError, match="other tests"):
+        mmselftests.run(again, 0, mmselftests.select(only=("cow",)), ("stock",), (earlier,))
