@@ -376,10 +376,33 @@ def load_boots(run_dir: Path, tests: Sequence[Test]) -> list[Boot]:
     return [Boot(**b) for b in data["boots"]]
 
 
+def summary(boots: Sequence[Boot], tests: Sequence[Test], configs: Sequence[str],
+            **more: Any) -> tuple[int, dict[str, Any], str]:
+    """Exit code, JSON and table of the boots so far."""
+    configs = [c for c in CONFIGS if c in configs or any(b.config == c for b in boots)]
+    bad = regressions(boots, tests, configs)
+    data = {**more, "configs": configs, "tests": [t.name for t in tests], "left_out": LEFT_OUT,
+            "boots": [asdict(b) for b in boots],
+            "regressions": [{"test": t, "config": c, "counts": n} for t, c, n in bad]}
+    lines = [f"mm selftests (6.12, {len(tests)} tests), passes out of the runs; "
+             f"QEMU x86_64 TCG, {MEM_MIB} MiB, virtio-balloon free-page-reporting=on",
+             render(boots, tests, configs)]
+    for b in boots:
+        if b.error:
+            lines.append(f"{b.config} round {b.round + 1}: {b.error}")
+    for test, where, n in bad:
+        lines.append(f"REGRESSION {test}: passes on stock every run, {where}: {cell(n)}")
+        tail = next((b.tails[test] for b in boots if b.config == where and test in b.tails), [])
+        lines += [f"    {ln}" for ln in tail[-4:]]
+    lines.append("gate: " + ("FAILED" if bad else "passed"))
+    return (1 if bad else 0), data, "\n".join(lines)
+
+
 def run(ctx: RunContext, runs: int, tests: Sequence[Test], configs: Sequence[str],
         earlier: Sequence[Path] = ()) -> tuple[int, dict[str, Any], str]:
     """Every configuration `runs` times (ABBA), with the boots of `earlier`
-    runs of the same tests; exit code, JSON, table."""
+    runs of the same tests; exit code, JSON, table. The JSON is written
+    after every boot, so that an interrupted run can join a later one."""
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or not configs:
         raise LabError(f"mm-selftests: unknown configurations {unknown or list(configs)}; "
@@ -390,8 +413,9 @@ def run(ctx: RunContext, runs: int, tests: Sequence[Test], configs: Sequence[str
     chosen = [CONFIGS[c] for c in configs]
     boots = [b for d in earlier for b in load_boots(d, tests)]
     start = time.monotonic()
-    for c in chosen:
-        harness.kernel(ctx, c.variant)
+    kernels = {c.name: str(harness.kernel(ctx, c.variant)) for c in chosen} if runs else {}
+    more: dict[str, Any] = {"runs": runs, "earlier": [str(d) for d in earlier],
+                            "kernels": kernels}
     for rnd in range(runs):
         for c in harness.order(chosen, rnd):
             if not ctx.shell.dry_run:
@@ -404,25 +428,11 @@ def run(ctx: RunContext, runs: int, tests: Sequence[Test], configs: Sequence[str
             print(f"mm-selftests: {c.name} round {rnd + 1}: {done}/{len(tests)} passed in "
                   f"{boot.wall_s:.0f} s" + (f" ({boot.error})" if boot.error else ""),
                   flush=True)
+            ctx.save(RESULT, summary(boots, tests, configs, **more,
+                                     wall_s=round(time.monotonic() - start, 1))[1])
     if ctx.shell.dry_run:
         return 0, {}, "mm-selftests: dry run, nothing run"
     wall = time.monotonic() - start
-    configs = [c for c in CONFIGS if c in configs or any(b.config == c for b in boots)]
-    bad = regressions(boots, tests, configs)
-    data = {"runs": runs, "configs": configs, "tests": [t.name for t in tests],
-            "earlier": [str(d) for d in earlier], "left_out": LEFT_OUT,
-            "wall_s": round(wall, 1), "boots": [asdict(b) for b in boots],
-            "regressions": [{"test": t, "config": c, "counts": n} for t, c, n in bad]}
+    rc, data, text = summary(boots, tests, configs, **more, wall_s=round(wall, 1))
     ctx.save(RESULT, data)
-    lines = [f"mm selftests (6.12, {len(tests)} tests), passes out of the runs; "
-             f"QEMU x86_64 TCG, {MEM_MIB} MiB, virtio-balloon free-page-reporting=on",
-             render(boots, tests, configs), f"wall time {wall:.0f} s"]
-    for b in boots:
-        if b.error:
-            lines.append(f"{b.config} round {b.round + 1}: {b.error}")
-    for test, where, n in bad:
-        lines.append(f"REGRESSION {test}: passes on stock every run, {where}: {cell(n)}")
-        tail = next((b.tails[test] for b in boots if b.config == where and test in b.tails), [])
-        lines += [f"    {ln}" for ln in tail[-4:]]
-    lines.append("gate: " + ("FAILED" if bad else "passed"))
-    return (1 if bad else 0), data, "\n".join(lines)
+    return rc, data, text + f"\nwall time {wall:.0f} s"
