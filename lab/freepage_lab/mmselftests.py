@@ -47,6 +47,9 @@ PROG = "mm-selftest"
 RESULT = "mm-selftests"
 BEGIN = "MM-SELFTEST-BEGIN"
 STATUSES = ("pass", "skip", "fail", "timeout", "lost")
+# the line after the last test: pages pre-zeroed in the zones and the hugetlb pool
+VMSTAT = "MM-SELFTEST-VMSTAT"
+VMSTAT_COUNTERS = ("pgzero_marked_prezero", "pgzero_prezero_hugetlb")
 # run_vmtests.sh's pool: 256 MiB of 2 MiB pages (and 2 * nr_cpus pages for uffd)
 HUGETLB_POOL_PAGES = 128
 MEM_MIB = 3072
@@ -225,6 +228,8 @@ def guest_script(tests: Sequence[Test], setup: str = "") -> str:
         "\"$limit\"",
         "}",
     ]
+    if setup:
+        lines.append(f"grep . {guestshell.PREZERO_DIR}/* 2>/dev/null || true")
     for t in tests:
         if t.category in ("hugetlb", "thp"):
             lines.append("echo 3 > /proc/sys/vm/drop_caches; echo 1 > /proc/sys/vm/compact_memory")
@@ -233,6 +238,9 @@ def guest_script(tests: Sequence[Test], setup: str = "") -> str:
         lines.append(f"run '{t.name}' {t.limit_s} ./{t.name}")
         if t.after:
             lines.append(t.after)
+    # what pre-zeroing did meanwhile (the series' counters; none on stock)
+    lines.append(f"echo \"{VMSTAT} $(grep -E '^({'|'.join(VMSTAT_COUNTERS)}) ' /proc/vmstat "
+                 "| tr '\\n' ' ')\"")
     return "\n".join(line for line in lines if line) + "\n"
 
 
@@ -274,6 +282,7 @@ class Boot:
     wall_s: float = 0.0
     error: str = ""
     warnings: list[str] = field(default_factory=list)
+    vmstat: dict[str, int] = field(default_factory=dict)
 
 
 def parse_boot(config: str, rnd: int, tests: Sequence[Test], lines: Sequence[str],
@@ -285,6 +294,10 @@ def parse_boot(config: str, rnd: int, tests: Sequence[Test], lines: Sequence[str
     for rec in records:
         boot.statuses[rec["test"]] = status(rec)
         boot.elapsed_s[rec["test"]] = float(rec["elapsed_s"])
+    for text in lines:
+        if text.startswith(VMSTAT):
+            words = text.split()[1:]
+            boot.vmstat = {k: int(v) for k, v in zip(words[::2], words[1::2])}
     for t in tests:
         boot.statuses.setdefault(t.name, "lost")
         if boot.statuses[t.name] != "pass" and t.name in tails:
@@ -334,6 +347,9 @@ def render(boots: Sequence[Boot], tests: Sequence[Test], configs: Sequence[str])
     rows = [[t.name, *(cell(counts(boots, c, t.name)) for c in configs)] for t in tests]
     rows.append(["(kernel warnings after boot)",
                  *(str(sum(len(b.warnings) for b in boots if b.config == c)) for c in configs)])
+    for counter in VMSTAT_COUNTERS:
+        rows.append([f"({counter})", *("+".join(str(b.vmstat.get(counter, "-")) for b in boots
+                                                if b.config == c) for c in configs)])
     rows.append(["(guest wall time, s)",
                  *("+".join(f"{b.wall_s:.0f}" for b in boots if b.config == c) for c in configs)])
     return table(["test", *configs], rows)

@@ -61,6 +61,13 @@ def test_the_script_is_valid_shell_and_prints_a_record_per_test(tmp_path):
     boot = boot_of("stock", 0, tests, ["FREEPAGE-BOOTED 1", *out])
     assert boot.statuses == {"ok": "pass", "skip": "skip", "bad": "fail"}
     assert boot.tails["bad"] == ["output of bad"]
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text("nr_free_pages 5\npgzero_marked_prezero 7\npgzero_prezero_hugetlb 3\n")
+    last = script.splitlines()[-1].replace("/proc/vmstat", str(vmstat))
+    out = subprocess.run(["sh", "-ec", last], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert boot_of("stock", 0, tests, out).vmstat == {"pgzero_marked_prezero": 7,
+                                                      "pgzero_prezero_hugetlb": 3}
 
 
 def test_status_tells_a_timeout_from_a_failure():
