@@ -276,6 +276,9 @@ class Boot:
 
     config: str
     round: int
+    # the run directory it booted in: an earlier run's boots appear once
+    # however many later runs carry them
+    run: str = ""
     statuses: dict[str, str] = field(default_factory=dict)
     elapsed_s: dict[str, float] = field(default_factory=dict)
     tails: dict[str, list[str]] = field(default_factory=dict)
@@ -377,6 +380,7 @@ def boot_one(ctx: RunContext, config: Config, rnd: int, tests: Sequence[Test]) -
         lines = list(run.booted.lines)
         records = run.booted.records(PROG)
     boot = parse_boot(config.name, rnd, tests, lines, records, error)
+    boot.run = ctx.run_dir.name
     boot.wall_s = time.monotonic() - start
     return boot
 
@@ -389,7 +393,15 @@ def load_boots(run_dir: Path, tests: Sequence[Test]) -> list[Boot]:
     data = json.loads(path.read_text())
     if data["tests"] != [t.name for t in tests]:
         raise LabError(f"mm-selftests: {run_dir} ran other tests; give the same --quick/--only")
-    return [Boot(**b) for b in data["boots"]]
+    return [Boot(**{"run": run_dir.name, **b}) for b in data["boots"]]
+
+
+def merge(boots: Sequence[Boot]) -> list[Boot]:
+    """Each boot once (a run given --with carries the boots of its own --with)."""
+    seen: dict[tuple[str, str, int], Boot] = {}
+    for b in boots:
+        seen.setdefault((b.run, b.config, b.round), b)
+    return list(seen.values())
 
 
 def summary(boots: Sequence[Boot], tests: Sequence[Test], configs: Sequence[str],
@@ -427,7 +439,7 @@ def run(ctx: RunContext, runs: int, tests: Sequence[Test], configs: Sequence[str
         raise LabError("mm-selftests: --runs must be at least 1 (0 with --with: a table of "
                        "earlier runs only)")
     chosen = [CONFIGS[c] for c in configs]
-    boots = [b for d in earlier for b in load_boots(d, tests)]
+    boots = merge([b for d in earlier for b in load_boots(d, tests)])
     start = time.monotonic()
     kernels = {c.name: str(harness.kernel(ctx, c.variant)) for c in chosen} if runs else {}
     more: dict[str, Any] = {"runs": runs, "earlier": [str(d) for d in earlier],

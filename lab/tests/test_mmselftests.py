@@ -184,5 +184,9 @@ def test_earlier_runs_join_the_table_and_the_gate(tmp_path):
     rc, data, text = mmselftests.run(again, 0, tests, ("stock",), (earlier,))
     assert rc == 1 and data["configs"] == ["stock", "prezero"]
     assert f"REGRESSION {MADV}: passes on stock every run, prezero: 1/3 (fail 2)" in text
+    # a later run that carries the earlier one: its boots count once
+    rc, data, _ = mmselftests.run(RunContext(shell=Shell(), run_dir=tmp_path, platform="uml"),
+                                  0, tests, ("stock",), (earlier, tmp_path / "again"))
+    assert len(data["boots"]) == 6
     with pytest.raises(LabError, match="other tests"):
         mmselftests.run(again, 0, mmselftests.select(only=("cow",)), ("stock",), (earlier,))
