@@ -232,7 +232,9 @@ def guest_script(tests: Sequence[Test], setup: str = "") -> str:
         lines.append(f"grep . {guestshell.PREZERO_DIR}/* 2>/dev/null || true")
     for t in tests:
         if t.category in ("hugetlb", "thp"):
-            lines.append("echo 3 > /proc/sys/vm/drop_caches; echo 1 > /proc/sys/vm/compact_memory")
+            # run_vmtests.sh's pauses are idle time, in which pre-zeroing runs
+            lines.append("echo 3 > /proc/sys/vm/drop_caches; sleep 2; "
+                         "echo 1 > /proc/sys/vm/compact_memory; sleep 2")
         if t.before:
             lines.append(t.before)
         lines.append(f"run '{t.name}' {t.limit_s} ./{t.name}")
