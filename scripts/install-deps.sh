@@ -15,6 +15,9 @@ apt_packages=(
 	curl bzip2
 	# the arm64 platform: cross compiler and libc for the static KVM selftests
 	gcc-aarch64-linux-gnu libc6-dev-arm64-cross
+	# the static mm selftests (ksm_tests, migration; mlock-random-test,
+	# memfd_secret; the io_uring cases of cow and gup_longterm)
+	libnuma-dev libcap-dev liburing-dev
 )
 # QEMU 10.0 is the x86 platform: Debian's stock build is the baseline (7.2
 # crashes the destination of a migrating guest), the meson it needs to build

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import demo, harness, insntrace, kernel, paths, prefixbuild, qemu, scenarios
+from . import demo, harness, insntrace, kernel, mmselftests, paths, prefixbuild, qemu, scenarios
 from . import guest as guest_mod
 from .context import RunContext
 from .demo import medians
@@ -150,6 +150,21 @@ def cmd_trace(args: argparse.Namespace, shell: Shell) -> int:
     return 0
 
 
+def cmd_mm_selftests(args: argparse.Namespace, shell: Shell) -> int:
+    """The kernel's mm selftests, stock vs the series' configurations."""
+    ctx = RunContext.create(shell, "mm-selftests-qemu", platform="qemu", accel=args.accel,
+                            patched=True, extra_fragments=("mm-selftests.config",))
+    tests = mmselftests.select(tuple(args.only), args.quick)
+    configs = (tuple(c for c in ",".join(args.configs).split(",") if c)
+               or tuple(mmselftests.CONFIGS))
+    rc, _, text = mmselftests.run(ctx, args.runs, tests, configs,
+                                  tuple(Path(d) for d in args.with_runs))
+    print(text)
+    if not shell.dry_run:
+        print(f"results: {ctx.run_dir}")
+    return rc
+
+
 def cmd_compare(args: argparse.Namespace, shell: Shell) -> int:
     del shell
     runs = [Path(r) for r in args.runs]
@@ -251,6 +266,23 @@ def parser() -> argparse.ArgumentParser:
     platform_opts(r)
     r.add_argument("--param", action="append", default=[], help="key=value scenario parameter")
     r.set_defaults(func=cmd_run)
+
+    m = sub.add_parser("mm-selftests", help="the kernel's mm selftests in a stock guest and "
+                       "the series (pre-zeroing, reporting, init_on_free=1); exit 1 on a "
+                       "test that passes on stock and not on the series")
+    m.add_argument("--runs", type=int, default=1, help="boots of each configuration")
+    m.add_argument("--quick", action="store_true",
+                   help="the hugetlb tests and a few quick ones (mmselftests.QUICK)")
+    m.add_argument("--only", action="append", default=[], metavar="TEST",
+                   help="run only this test or program (repeatable)")
+    m.add_argument("--configs", action="append", default=[],
+                   help="comma-separated configurations (default: "
+                   f"{','.join(mmselftests.CONFIGS)})")
+    m.add_argument("--with", dest="with_runs", action="append", default=[],
+                   metavar="RUN_DIR", help="add the boots of an earlier run of the same "
+                   "tests to the table and the gate (repeatable)")
+    m.add_argument("--accel", choices=("auto", "tcg", "kvm"), default="auto")
+    m.set_defaults(func=cmd_mm_selftests)
 
     c = sub.add_parser("compare", help="print medians of one run, or A/B of two runs")
     c.add_argument("runs", nargs="+", help="run directories (one or two)")

@@ -76,18 +76,21 @@ class RunContext:
             self._kernels[spec.label] = kernel.build(self.shell, spec)
         return self._kernels[spec.label].image
 
-    def initrd(self, name: str, script: str) -> Path:
-        """The arch's base initramfs plus `script` as /run.sh, written once
-        per (name, script)."""
+    def initrd(self, name: str, script: str, selftests: tuple[str, ...] = ()) -> Path:
+        """The arch's base initramfs plus `script` as /run.sh and the
+        selftests suites named (selftests.SUITES, each under /<suite>),
+        written once per (name, script, suites)."""
         if self.arch not in self._base_initrd:
             self._base_initrd[self.arch] = initramfs.base_image(self.shell, self.arch)
         dest = self.run_dir / "initrd" / f"{name}.cpio"
+        key = hashlib.sha256(f"{self.arch}\0{script}\0{' '.join(selftests)}".encode()).hexdigest()
+        if self._initrds.get(dest) == key:
+            return dest
+        extra = [e for suite in selftests for e in initramfs.selftest_entries(self.shell, suite)]
         if self.shell.dry_run:
             return dest
-        key = hashlib.sha256(f"{self.arch}\0{script}".encode()).hexdigest()
-        if self._initrds.get(dest) != key:
-            initramfs.with_script(self._base_initrd[self.arch], script, dest)
-            self._initrds[dest] = key
+        initramfs.with_script(self._base_initrd[self.arch], script, dest, extra)
+        self._initrds[dest] = key
         return dest
 
     def log(self, name: str) -> Path:

@@ -144,6 +144,12 @@ FAMILIES: dict[str, dict[str, Variant]] = {name: {v.name: v for v in vs} for nam
     # pre-zeroing's CPU cap, and its footprint beside a reporting balloon
     "prezero_cpu": (Variant("series", patched=True, balloon=False),),
     "prezero_footprint": (Variant("series", patched=True, zeroing=True),),
+    # the kernel's mm selftests: stock and the series on one device (the
+    # series' configurations differ only inside the guest: mmselftests.CONFIGS)
+    "mm_selftests": (
+        Variant("stock", patched=False, stock_qemu=True),
+        Variant("series", patched=True, stock_qemu=True),
+    ),
     # the context's kernel, migrated with and without free page hinting
     "migrate": (
         Variant("no-hint", reporting=False),
@@ -208,6 +214,8 @@ class Plan:
     poweroff: bool = True
     # the guest's console takes input (QEMU -serial stdio)
     interactive: bool = False
+    # selftests suites the initramfs carries besides the arch's own (selftests.SUITES)
+    selftests: tuple[str, ...] = ()
 
 
 @dataclass
@@ -319,7 +327,8 @@ def guest_config(ctx: RunContext, variant: Variant, name: str, plan: Plan,
         # the series takes the device's word only when told to
         cmdline = [*platforms.arch(ctx.arch).device_init_opt_in, *cmdline]
     cfg = GuestConfig(
-        kernel=kernel(ctx, variant), initrd=ctx.initrd(plan.initrd or name, plan.script),
+        kernel=kernel(ctx, variant),
+        initrd=ctx.initrd(plan.initrd or name, plan.script, plan.selftests),
         mem_mib=plan.mem_mib, cmdline=cmdline, extra_args=list(plan.extra_args),
         balloon=variant.balloon, free_page_reporting=variant.reporting,
         free_page_hint=variant.hint,

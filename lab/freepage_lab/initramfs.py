@@ -136,11 +136,17 @@ def debian_busybox(shell: Shell, package: str) -> Path:
     return binary
 
 
-def kvm_selftest_entries(kvm_dir: Path) -> list[Entry]:
-    """The KVM selftests under /kvm (aarch64/page_fault_test -> /kvm/page_fault_test)."""
-    from .selftests import PROGRAMS
+def selftest_entries(shell: Shell, name: str) -> list[Entry]:
+    """A selftests suite (selftests.SUITES), built once, under /<name>
+    (kvm's aarch64/page_fault_test -> /kvm/page_fault_test); none on a dry run."""
+    from . import selftests
 
-    return [_dir("kvm"), *_programs(kvm_dir, PROGRAMS, "kvm", "KVM selftest {} missing")]
+    suite = selftests.SUITES[name]
+    directory = selftests.build(shell, suite)
+    if shell.dry_run:
+        return []
+    return [_dir(name), *_programs(directory, suite.programs, name,
+                                   f"{name} selftest {{}} missing")]
 
 
 def base_image(shell: Shell, arch: str = "x86_64") -> Path:
@@ -151,12 +157,8 @@ def base_image(shell: Shell, arch: str = "x86_64") -> Path:
     desc = platforms.arch(arch)
     if desc.busybox_package:
         busybox = debian_busybox(shell, desc.busybox_package)
-    if desc.kvm_selftests:
-        from . import selftests
-
-        kvm_dir = selftests.build(shell)
-        if not shell.dry_run:
-            extra = kvm_selftest_entries(kvm_dir)
+    for suite in desc.selftests:
+        extra += selftest_entries(shell, suite)
     if shell.dry_run:
         return paths.cache_dir() / "initramfs" / f"base-{arch}-dry-run.cpio"
     data = newc(base_entries(progs, busybox) + extra)
@@ -170,9 +172,9 @@ def base_image(shell: Shell, arch: str = "x86_64") -> Path:
     return target
 
 
-def with_script(base: Path, script: str, dest: Path) -> Path:
-    """base image + an overlay holding /run.sh -> dest."""
-    overlay = newc([_file("run.sh", script.encode())])
+def with_script(base: Path, script: str, dest: Path, extra: Sequence[Entry] = ()) -> Path:
+    """base image + an overlay holding `extra` and /run.sh -> dest."""
+    overlay = newc([*extra, _file("run.sh", script.encode())])
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_bytes(base.read_bytes() + overlay)
     return dest

@@ -26,8 +26,9 @@ class Arch:
     cross_compile: str = ""
     # busybox-static from this Debian package ("" = the host's /bin/busybox)
     busybox_package: str = ""
-    # the initramfs carries the KVM selftests (/kvm)
-    kvm_selftests: bool = False
+    # selftests suites every initramfs of the arch carries (selftests.SUITES:
+    # /kvm); others come with the runs that ask for them (harness.Plan)
+    selftests: tuple[str, ...] = ()
     # the series kernel's command line that lets virtio-balloon take the
     # device's word on zeroed pages (bits 6 and 7 are opt-in in the guest)
     device_init_opt_in: tuple[str, ...] = ()
@@ -43,7 +44,7 @@ ARCHES: dict[str, Arch] = {a.name: a for a in (
          device_init_opt_in=("virtio_balloon.device_init=1",)),
     # Debian's busybox-static:arm64 is not Multi-Arch: unpacked from the .deb
     Arch("arm64", "arch/arm64/boot/Image", "tinyconfig", "aarch64-linux-gnu-",
-         "busybox-static:arm64", kvm_selftests=True),
+         "busybox-static:arm64", selftests=("kvm",)),
 )}
 
 

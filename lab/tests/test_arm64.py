@@ -68,12 +68,13 @@ def test_arm64_config_asks_for_kvm_thp_and_hugetlbfs():
 
 
 def test_selftests_are_static_cross_builds_of_the_named_programs():
-    argv = selftests.build_argv(Path("/src"), Path("/out"))
+    argv = selftests.build_argv(selftests.KVM, Path("/src"), Path("/out"))
     assert argv[:3] == ["make", "-C", "/src/tools/testing/selftests/kvm"]
     assert "ARCH=arm64" in argv and "EXTRA_CFLAGS=-static" in argv
+    assert "CROSS_COMPILE=aarch64-linux-gnu-" in argv and "abs_objdir=/out/gen" in argv
     assert "KHDR_INCLUDES=-isystem /out/usr/include" in argv
     assert "/out/kvm/dirty_log_perf_test" in argv and "/out/kvm/dirty_log_test" in argv
-    assert (selftests.series().directory / selftests.ENV_PATCH).is_file()
+    assert all(p.is_file() for p in selftests.KVM.series().files)
 
 
 def test_arm64_dry_run_prints_the_build_and_the_boot(tmp_path, capsys, monkeypatch):

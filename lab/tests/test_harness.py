@@ -48,7 +48,7 @@ def replay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         runner = Replay(DATA / console)
         monkeypatch.setattr(harness, "runner", lambda ctx, variant: runner)
         monkeypatch.setattr(RunContext, "kernel", lambda self, **kw: tmp_path / "kernel")
-        monkeypatch.setattr(RunContext, "initrd", lambda self, name, script: tmp_path / name)
+        monkeypatch.setattr(RunContext, "initrd", lambda self, name, script, selftests=(): tmp_path / name)
         monkeypatch.setattr(BalloonBackend, "start", lambda self: None)
         monkeypatch.setattr(BalloonBackend, "stop", lambda self: None)
         return RunContext(shell=Shell(quiet=True), run_dir=tmp_path, platform=platform,
