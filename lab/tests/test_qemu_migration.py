@@ -240,8 +240,9 @@ def migrate_while_freeing(lab, report: bool, inflate_mib: int = 0, vhost_user: b
     ctx = lab.context("qemu", patched=True)
     runner = QemuRunner(ctx.shell, "tcg", qemu_binary(ctx.shell))
     port = free_port()
+    # a device offering bits 6/7 gets a guest that opts in to them
     variant = harness.Variant("migrate", reporting=report, vhost_user=vhost_user,
-                              zeroing=vhost_user)
+                              zeroing=vhost_user or any(device.values()))
     boot = dict(initrd="migrate-zero", mem_mib=MEM_MIB, cmdline=tuple(CMDLINE),
                 interactive=True, run_with=runner)
     script = guest_script(report)
