@@ -38,8 +38,9 @@ test-kernel: deps
 	# the series with pre-zeroing compiled out builds too
 	$(FREEPAGE) build --arch um --fragment prezero-off.config
 
-# the QEMU patch queue: applies, checkpatch.pl clean, builds (cached); the
-# boot tests run the build (migration with bit 6, vhost-user-balloon)
+# the QEMU series: each applies on what it requires and is checkpatch.pl
+# clean; all of them build (cached); the boot tests run the build
+# (migration with bit 6, vhost-user-balloon)
 test-qemu: deps
 	$(FREEPAGE) qemu check
 	$(FREEPAGE) qemu build

@@ -6,9 +6,10 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from . import demo, harness, insntrace, kernel, mmselftests, paths, prefixbuild, qemu, scenarios
+from . import demo, harness, insntrace, kernel, mmselftests, patchqueue, paths, prefixbuild, qemu, scenarios
 from . import guest as guest_mod
 from .context import RunContext
 from .demo import medians
@@ -57,13 +58,9 @@ def cmd_series(args: argparse.Namespace, shell: Shell) -> int:
         queue = kernel.QUEUES[args.queue or kernel.queue_for("x86_64").name]
     if args.action == "tree":
         kernel.materialise(shell, queue, tree)
-        tags = ", ".join(kernel.series_tag(q) for q in kernel.stack(queue))
-        print(f"work tree ready: {tree} (base tag freepage-base; series end at {tags})")
-        return 0
+        return tree_ready(tree, kernel.stack(queue))
     if args.action == "export":
-        for name, names in kernel.export_stack(shell, tree, queue).items():
-            print(f"exported {len(names)} patches to {kernel.QUEUES[name].patch_dir}")
-        return 0
+        return exported(kernel.export_stack(shell, tree, queue), kernel.QUEUES)
     if args.action == "build-each":
         arches = tuple(a for a in args.arch.split(",") if a)
         return report([prefixbuild.build_each(shell, queue, arches, not args.no_kunit)])
@@ -73,22 +70,32 @@ def cmd_series(args: argparse.Namespace, shell: Shell) -> int:
 
 
 def cmd_qemu(args: argparse.Namespace, shell: Shell) -> int:
-    """The QEMU patch queue (qemu/), the twin of `series` for kernel/."""
+    """The QEMU patch series (qemu/), the twin of `series` for kernel/."""
     tree = Path(args.dir) if args.dir else paths.QEMU_DIR / "tree"
     if args.action == "build":
         res, _ = qemu.build_stage(shell)
         return report([res])
     if args.action == "tree":
-        qemu.materialise(shell, qemu.load_series(), tree)
-        print(f"work tree ready: {tree} (base tag freepage-base)")
-        return 0
+        qemu.materialise(shell, tree)
+        return tree_ready(tree, qemu.stack())
     if args.action == "export":
-        names = qemu.export(shell, tree)
-        print(f"exported {len(names)} patches to {paths.QEMU_PATCH_DIR}")
-        return 0
+        return exported(qemu.export_stack(shell, tree), qemu.QUEUES)
     if args.action == "qtest":
         return report([qemu.qtest_stage(shell, tuple(args.extra_patch))])
-    return report([qemu.check(shell, qemu.load_series())])
+    # each series applies to pristine QEMU after the series it requires
+    return report([qemu.check(shell, q) for q in qemu.QUEUES.values()])
+
+
+def tree_ready(tree: Path, queues: Sequence[patchqueue.Queue]) -> int:
+    tags = ", ".join(q.tag for q in queues)
+    print(f"work tree ready: {tree} (base tag {patchqueue.BASE_TAG}; series end at {tags})")
+    return 0
+
+
+def exported(names: dict[str, list[str]], queues: Mapping[str, patchqueue.Queue]) -> int:
+    for name, patches in names.items():
+        print(f"exported {len(patches)} patches to {queues[name].patch_dir}")
+    return 0
 
 
 def cmd_boot(args: argparse.Namespace, shell: Shell) -> int:
@@ -215,7 +222,7 @@ def parser() -> argparse.ArgumentParser:
                         help="extra config fragment for the patched kernel (repeatable); "
                         "bench.config applies to the stock kernel too")
         sp.add_argument("--patched-qemu", action="store_true",
-                        help="QEMU built with qemu/patches (cached) instead of Debian's")
+                        help="QEMU built with the qemu/ series (cached) instead of Debian's")
 
     b = sub.add_parser("build", help="build guest kernels (cached)")
     b.add_argument("--arch", choices=(*kernel.ARCHES, "all"), default="all")
@@ -234,7 +241,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("dir", nargs="?", default=None,
                    help="git work tree (tree: created; export: read); "
                    "default kernel/tree (qemu/tree with --qemu)")
-    s.add_argument("--qemu", action="store_true", help="the QEMU queue (qemu/) instead")
+    s.add_argument("--qemu", action="store_true", help="the QEMU series (qemu/) instead")
     s.add_argument("--queue", choices=sorted(kernel.QUEUES),
                    help="which kernel series, with the series it requires (default: prezero, "
                    "i.e. all three x86/UML series; check: every series)")
@@ -244,7 +251,7 @@ def parser() -> argparse.ArgumentParser:
                    help="build-each: do not run the UML KUnit suites where a patch changes them")
     s.set_defaults(func=cmd_series)
 
-    q = sub.add_parser("qemu", help="QEMU patch queue (qemu/): build, work tree, export, check")
+    q = sub.add_parser("qemu", help="QEMU patch series (qemu/): build, work tree, export, check")
     q.add_argument("action", choices=("build", "tree", "export", "check", "qtest"))
     q.add_argument("dir", nargs="?", default=None,
                    help="git work tree (tree: created; export: read); default qemu/tree")

@@ -25,7 +25,7 @@ class RunContext:
     patched: bool = False
     variant: str = "release"
     extra_fragments: tuple[str, ...] = ()
-    # QEMU: Debian's stock build, or one with qemu/patches applied
+    # QEMU: Debian's stock build, or one with the qemu/ series applied
     patched_qemu: bool = False
     # what is built once per run, shared by the contexts on() makes
     _kernels: dict[str, kernel.BuiltKernel] = field(default_factory=dict)

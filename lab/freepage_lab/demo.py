@@ -2,8 +2,8 @@
 
 stock    = Linux 6.12 as Debian ships it + Debian's QEMU 10.0 (or UML with
            vhost-user-balloon offering no zeroing bits)
-freepage = the kernel series + QEMU with qemu/patches (or vhost-user-balloon
-           offering bits 6 and 7)
+freepage = the kernel series + QEMU with the qemu/ series (or
+           vhost-user-balloon offering bits 6 and 7)
 
 Two kinds of steps:
 - "ab": the scenario runs once per side and the medians of both land in

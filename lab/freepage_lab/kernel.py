@@ -22,38 +22,36 @@ VARIANTS = ("release", "debug")
 PATCHED_FRAGMENTS = ("never-zero-twice.config",)
 
 
-@dataclass(frozen=True)
-class Queue:
-    """One patch series (kernel/<name>/patches), the series it applies on
-    top of, its test-only patches and the fragments of its builds."""
+@dataclass(frozen=True, kw_only=True)
+class Queue(patchqueue.Queue):
+    """A kernel series (kernel/<name>/patches) with its test-only patches
+    and the fragments of its builds."""
 
-    name: str
     bench_dir: Path
     fragments: tuple[str, ...]
-    # series applied before this one, in order (its cover letter says so)
-    requires: tuple[str, ...] = ()
 
-    @property
-    def patch_dir(self) -> Path:
-        return paths.KERNEL_DIR / self.name / "patches"
+
+def _x86_series(name: str, requires: tuple[str, ...] = ()) -> Queue:
+    """A series of the x86/UML kernels: test-only patches in kernel/bench."""
+    return Queue(name, paths.KERNEL_DIR, requires, bench_dir=paths.KERNEL_DIR / "bench",
+                 fragments=PATCHED_FRAGMENTS)
 
 
 QUEUES = {
     # applies to pristine 6.12 on its own
-    "page-reporting": Queue("page-reporting", paths.KERNEL_DIR / "bench", PATCHED_FRAGMENTS),
-    "never-zero-twice": Queue("never-zero-twice", paths.KERNEL_DIR / "bench", PATCHED_FRAGMENTS,
-                              ("page-reporting",)),
-    "prezero": Queue("prezero", paths.KERNEL_DIR / "bench", PATCHED_FRAGMENTS,
-                     ("page-reporting", "never-zero-twice")),
+    "page-reporting": _x86_series("page-reporting"),
+    "never-zero-twice": _x86_series("never-zero-twice", ("page-reporting",)),
+    "prezero": _x86_series("prezero", ("page-reporting", "never-zero-twice")),
     # independent of the others: applies to pristine 6.12 on its own
-    "arm64-split": Queue("arm64-split", paths.KERNEL_DIR / "arm64-split" / "bench",
-                         ("arm64-split.config",)),
+    "arm64-split": Queue("arm64-split", paths.KERNEL_DIR,
+                         bench_dir=paths.KERNEL_DIR / "arm64-split" / "bench",
+                         fragments=("arm64-split.config",)),
 }
 
 
 def stack(queue: Queue) -> list[Queue]:
     """The series to apply for `queue`, in order, ending with it."""
-    return [QUEUES[name] for name in queue.requires] + [queue]
+    return patchqueue.stack(QUEUES, queue)
 
 
 def queue_for(arch: str) -> Queue:
@@ -123,11 +121,7 @@ class Series(patchqueue.Series):
     def stacked(cls, queue: Queue) -> Self:
         """Every patch of `queue` and the series it requires, in the order
         they apply, named relative to kernel/."""
-        names: list[str] = []
-        for q in stack(queue):
-            rel = q.patch_dir.relative_to(paths.KERNEL_DIR)
-            names += [f"{rel}/{n}" for n in cls.load(q.patch_dir).names]
-        return cls(paths.KERNEL_DIR, tuple(names))
+        return cls.joined(stack(queue))
 
 
 def tree_path(shell: Shell, series: Series) -> Path:
@@ -150,105 +144,34 @@ def applied_tree(shell: Shell, series: Series) -> Path:
                                    "base tree")
 
 
-def series_tag(queue: Queue) -> str:
-    """The tag at the last commit of a series in a work tree."""
-    return f"series/{queue.name}"
-
-
 def materialise(shell: Shell, queue: Queue, dest: Path) -> None:
     """A git work tree: base commit = pristine source, then one commit per
     patch of `queue` and the series it requires, each series ending at its
-    tag (series_tag())."""
-    groups = [(series_tag(q), Series.load(q.patch_dir)) for q in stack(queue)]
-    patchqueue.work_tree(shell, base_tree(shell), dest, groups,
+    tag (Queue.tag)."""
+    patchqueue.work_tree(shell, base_tree(shell), dest, stack(queue),
                          f"base: {paths.BASE_PACKAGE} {base_version(shell)}", "base tree")
-
-
-COVER = "0000-cover-letter.patch"
-
-
-def cover_text(cover: str) -> tuple[str, str] | None:
-    """The subject (without the [PATCH n/m] tag) and the text of a cover letter."""
-    subject = re.search(r"^Subject: \[PATCH[^\]]*\] (.*)$", cover, re.M)
-    body = re.search(r"\n\n(.*?)\n\S[^\n]* \(\d+\):\n", cover, re.S)
-    if not subject or not body:
-        return None
-    return subject.group(1), body.group(1).rstrip("\n")
-
-
-def carry_cover(old: str, new: str) -> str:
-    """The fresh cover letter `new` with the subject and text of `old`.
-
-    git format-patch writes placeholders; the cover letter's words (and
-    numbers) live only in the patch queue, so they are carried over.
-    """
-    kept = cover_text(old)
-    if kept is None or "*** SUBJECT HERE ***" not in new:
-        return new
-    subject, body = kept
-    new = new.replace("*** SUBJECT HERE ***", subject, 1)
-    return new.replace("*** BLURB HERE ***", body, 1)
-
-
-def export(shell: Shell, tree: Path, directory: Path = paths.PATCH_DIR,
-           start: str = "freepage-base", end: str = "HEAD") -> list[str]:
-    """Write the tree's commits start..end back as the patch queue in
-    `directory`; the cover letter names the base (base-commit, and the
-    prerequisite-patch-id of every commit between base and start)."""
-    # ask git first: a tree without the base tag must not cost the queue
-    count = shell.run(["git", "-C", tree, "rev-list", "--count", f"{start}..{end}"],
-                      capture=True, what=f"count commits {start}..{end} (tags in place?)").strip()
-    old_cover = directory / COVER
-    kept = old_cover.read_text() if old_cover.is_file() else ""
-    if not shell.dry_run:
-        directory.mkdir(parents=True, exist_ok=True)
-        for old in directory.glob("*.patch"):
-            old.unlink()
-    if count == "0":
-        names: list[str] = []
-    else:
-        shell.run(["git", "-C", tree, "format-patch", "-q", "--cover-letter", "--base=freepage-base",
-                   "-o", directory, f"{start}..{end}"], what="git format-patch")
-        names = sorted(p.name for p in directory.glob("*.patch") if not p.name.startswith("0000-"))
-        if kept and not shell.dry_run:
-            (directory / COVER).write_text(carry_cover(kept, (directory / COVER).read_text()))
-    if not shell.dry_run:
-        (directory / "series").write_text("".join(n + "\n" for n in names))
-    return names
 
 
 def export_stack(shell: Shell, tree: Path, queue: Queue) -> dict[str, list[str]]:
     """Export every series of `queue`'s stack from a work tree made by
-    materialise(): each series is the commits up to its tag (the last one
-    up to HEAD, so that new commits on top belong to it)."""
-    out: dict[str, list[str]] = {}
-    start = "freepage-base"
-    queues = stack(queue)
-    for q in queues:
-        end = "HEAD" if q is queues[-1] else series_tag(q)
-        out[q.name] = export(shell, tree, q.patch_dir, start, end)
-        start = end
-    return out
+    materialise() (patchqueue.export_stack())."""
+    return patchqueue.export_stack(shell, tree, stack(queue))
 
 
 def check(shell: Shell, queue: Queue) -> StageResult:
     """The series applies to the pristine base after the series it requires,
     and its patches are checkpatch --strict clean."""
-    finish = timed(f"check {queue.name}")
     base = base_tree(shell)
-    patchqueue.check_applies(shell, base, Series.stacked(queue), "base tree")
-    own = Series.load(queue.patch_dir)
-    problems = []
-    for patch in own.files:
+
+    def checkpatch(patch: Path) -> str:
         try:
             shell.run([base / "scripts" / "checkpatch.pl", "--strict", "--quiet",
                        "--no-summary", patch], cwd=base, capture=True, what=f"checkpatch {patch.name}")
         except LabError as exc:
-            problems.append(str(exc))
-    if problems:
-        return finish("failed", "\n".join(problems))
-    on = f" on {', '.join(queue.requires)}" if queue.requires else " on pristine 6.12"
-    return finish("ok", f"{len(own.names)} patches apply{on} and are checkpatch --strict clean")
+            return str(exc)
+        return ""
+
+    return patchqueue.check(shell, base, stack(queue), checkpatch, "pristine 6.12", "base tree")
 
 
 # --------------------------------------------------------------------------
@@ -372,12 +295,7 @@ def build(shell: Shell, spec: BuildSpec, series: Series | None = None) -> BuiltK
         series = Series.stacked(queue) if spec.patched else Series.empty()
     if not spec.patched:
         series = Series.empty()
-    if spec.extra_patches:
-        for name in spec.extra_patches:
-            if not (queue.bench_dir / name).is_file():
-                raise LabError(f"test-only patch {queue.bench_dir / name} does not exist")
-        series = Series(series.directory, series.names + tuple(
-            os.path.relpath(queue.bench_dir / n, series.directory) for n in spec.extra_patches))
+    series = series.plus(queue.bench_dir, spec.extra_patches)
     version = base_version(shell)
     key = build_key(spec, version, series)
     # a direct child of its source tree: see applied_tree()

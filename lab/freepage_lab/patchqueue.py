@@ -1,19 +1,21 @@
-"""What the kernel and QEMU patch queues share: applying a series to a
-pristine base (hard-linked, cached) and the git work tree to edit it in."""
+"""What the kernel and QEMU patch queues share: series that apply on top of
+each other, applying them to a pristine base (hard-linked, cached), the git
+work tree to edit them in, exporting and checking them."""
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from typing import Self, TypeVar
 
-from .shell import LabError, Shell
+from .shell import LabError, Shell, StageResult, timed
 
 APPLIED = ".freepage-applied"
 
@@ -50,6 +52,52 @@ class Series:
             h.update(f.name.encode() + b"\0")
             h.update(f.read_bytes())
         return h.hexdigest()
+
+    @classmethod
+    def joined(cls, queues: Sequence[Queue]) -> Self:
+        """Every patch of `queues`, in the order they apply, named relative
+        to their root (kernel/, qemu/)."""
+        root = queues[-1].root
+        names: list[str] = []
+        for q in queues:
+            rel = q.patch_dir.relative_to(root)
+            names += [f"{rel}/{n}" for n in cls.load(q.patch_dir).names]
+        return cls(root, tuple(names))
+
+    def plus(self, directory: Path, names: Sequence[str]) -> Self:
+        """This series, then the test-only patches `names` of `directory`."""
+        for name in names:
+            if not (directory / name).is_file():
+                raise LabError(f"test-only patch {directory / name} does not exist")
+        return type(self)(self.directory, self.names + tuple(
+            os.path.relpath(directory / n, self.directory) for n in names))
+
+
+@dataclass(frozen=True)
+class Queue:
+    """One patch series, <root>/<name>/patches, and the series it applies
+    on top of, in order (its cover letter says so)."""
+
+    name: str
+    root: Path
+    requires: tuple[str, ...] = ()
+
+    @property
+    def patch_dir(self) -> Path:
+        return self.root / self.name / "patches"
+
+    @property
+    def tag(self) -> str:
+        """The tag at the last commit of the series in a work tree."""
+        return f"series/{self.name}"
+
+
+Q = TypeVar("Q", bound=Queue)
+
+
+def stack(queues: Mapping[str, Q], queue: Q) -> list[Q]:
+    """The series to apply for `queue`, in order, ending with it."""
+    return [queues[name] for name in queue.requires] + [queue]
 
 
 def applied_tree(shell: Shell, base: Path, tree: Path, series: Series, what: str) -> Path:
@@ -88,11 +136,14 @@ def _apply(shell: Shell, base: Path, tree: Path, series: Series, what: str) -> N
 BASE_DATE = {"GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z"}
 
 
-def work_tree(shell: Shell, base: Path, dest: Path, groups: Sequence[tuple[str, Series]],
+BASE_TAG = "freepage-base"
+
+
+def work_tree(shell: Shell, base: Path, dest: Path, queues: Sequence[Queue],
               base_subject: str, what: str) -> None:
     """A git work tree at `dest`: base commit = pristine source, tagged
-    freepage-base, then one commit per patch; each group of patches (a
-    series) ends at a tag of its name."""
+    BASE_TAG, then one commit per patch of `queues`; each series ends at
+    its tag (Queue.tag)."""
     if dest.exists() and any(dest.iterdir()):
         raise LabError(f"{dest} exists and is not empty; remove it or pick another dir")
     shell.run(["cp", "-a", f"{base}/.", dest], what=f"copy {what}")
@@ -102,11 +153,78 @@ def work_tree(shell: Shell, base: Path, dest: Path, groups: Sequence[tuple[str, 
     # Debian's kernel tree ignores everything in its top .gitignore ("/*")
     shell.run([*git, "add", "-f", "-A"], what="git add")
     shell.run([*git, "commit", "-q", "-m", base_subject], env=BASE_DATE, what="git commit base")
-    shell.run([*git, "tag", "freepage-base"], what="git tag")
-    for tag, series in groups:
+    shell.run([*git, "tag", BASE_TAG], what="git tag")
+    for q in queues:
+        series = Series.load(q.patch_dir)
         if series.files:
-            shell.run([*git, "am", "-q", *series.files], what=f"git am {tag}")
-        shell.run([*git, "tag", "-f", tag], what=f"git tag {tag}")
+            shell.run([*git, "am", "-q", *series.files], what=f"git am {q.tag}")
+        shell.run([*git, "tag", "-f", q.tag], what=f"git tag {q.tag}")
+
+
+COVER = "0000-cover-letter.patch"
+
+
+def cover_text(cover: str) -> tuple[str, str] | None:
+    """The subject (without the [PATCH n/m] tag) and the text of a cover letter."""
+    subject = re.search(r"^Subject: \[PATCH[^\]]*\] (.*)$", cover, re.M)
+    body = re.search(r"\n\n(.*?)\n\S[^\n]* \(\d+\):\n", cover, re.S)
+    if not subject or not body:
+        return None
+    return subject.group(1), body.group(1).rstrip("\n")
+
+
+def carry_cover(old: str, new: str) -> str:
+    """The fresh cover letter `new` with the subject and text of `old`.
+
+    git format-patch writes placeholders; the cover letter's words (and
+    numbers) live only in the patch queue, so they are carried over.
+    """
+    kept = cover_text(old)
+    if kept is None or "*** SUBJECT HERE ***" not in new:
+        return new
+    subject, body = kept
+    new = new.replace("*** SUBJECT HERE ***", subject, 1)
+    return new.replace("*** BLURB HERE ***", body, 1)
+
+
+def export(shell: Shell, tree: Path, directory: Path, start: str = BASE_TAG,
+           end: str = "HEAD") -> list[str]:
+    """Write the tree's commits start..end back as the series in
+    `directory`; the cover letter names the base (base-commit, and the
+    prerequisite-patch-id of every commit between base and start)."""
+    # ask git first: a tree without the base tag must not cost the queue
+    count = shell.run(["git", "-C", tree, "rev-list", "--count", f"{start}..{end}"],
+                      capture=True, what=f"count commits {start}..{end} (tags in place?)").strip()
+    old_cover = directory / COVER
+    kept = old_cover.read_text() if old_cover.is_file() else ""
+    if not shell.dry_run:
+        directory.mkdir(parents=True, exist_ok=True)
+        for old in directory.glob("*.patch"):
+            old.unlink()
+    if count == "0":
+        names: list[str] = []
+    else:
+        shell.run(["git", "-C", tree, "format-patch", "-q", "--cover-letter", f"--base={BASE_TAG}",
+                   "-o", directory, f"{start}..{end}"], what="git format-patch")
+        names = sorted(p.name for p in directory.glob("*.patch") if not p.name.startswith("0000-"))
+        if kept and not shell.dry_run:
+            (directory / COVER).write_text(carry_cover(kept, (directory / COVER).read_text()))
+    if not shell.dry_run:
+        (directory / "series").write_text("".join(n + "\n" for n in names))
+    return names
+
+
+def export_stack(shell: Shell, tree: Path, queues: Sequence[Queue]) -> dict[str, list[str]]:
+    """Export every series of `queues` from a work tree made by
+    work_tree(): each series is the commits up to its tag (the last one
+    up to HEAD, so that new commits on top belong to it)."""
+    out: dict[str, list[str]] = {}
+    start = BASE_TAG
+    for q in queues:
+        end = "HEAD" if q is queues[-1] else q.tag
+        out[q.name] = export(shell, tree, q.patch_dir, start, end)
+        start = end
+    return out
 
 
 def check_applies(shell: Shell, base: Path, series: Series, what: str) -> None:
@@ -122,3 +240,19 @@ def check_applies(shell: Shell, base: Path, series: Series, what: str) -> None:
                       what=f"{patch.name} does not apply")
             shell.run(["patch", "-p1", "-N", "-s", "--no-backup-if-mismatch",
                        "-d", scratch, "-i", patch], what=f"apply {patch.name}")
+
+
+def check(shell: Shell, base: Path, queues: Sequence[Queue], checkpatch: Callable[[Path], str],
+          base_name: str, what: str) -> StageResult:
+    """The last series of `queues` applies to the pristine `base` after the
+    others, and `checkpatch` (its problems with one patch, "" for none)
+    finds nothing in its own patches."""
+    queue = queues[-1]
+    finish = timed(f"check {queue.name}")
+    check_applies(shell, base, Series.joined(queues), what)
+    own = Series.load(queue.patch_dir)
+    problems = [p for p in map(checkpatch, own.files) if p]
+    if problems:
+        return finish("failed", "\n".join(problems))
+    on = ", ".join(queue.requires) or base_name
+    return finish("ok", f"{len(own.names)} patches apply on {on} and are checkpatch clean")

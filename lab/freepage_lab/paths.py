@@ -11,7 +11,6 @@ KERNEL_DIR = REPO / "kernel"
 PATCH_DIR = KERNEL_DIR / "never-zero-twice" / "patches"
 CONFIG_DIR = KERNEL_DIR / "configs"
 QEMU_DIR = REPO / "qemu"
-QEMU_PATCH_DIR = QEMU_DIR / "patches"
 GUEST_DIR = REPO / "guest"
 BACKEND_DIR = REPO / "vhost-user-balloon"
 

@@ -60,7 +60,7 @@ class Platform:
     populate_modes: tuple[str, ...]
     # the balloon's host side is vhost-user-balloon, a host process of its own
     balloon_daemon: bool = False
-    # runs the build of qemu/patches with --patched-qemu, whose balloon can
+    # runs the build of the qemu/ series with --patched-qemu, whose balloon can
     # say it zeroes reported and inflated pages (bits 6 and 7)
     patched_qemu: bool = False
     # -icount value that makes guest time count instructions ("" = none)

@@ -1,8 +1,8 @@
-"""The QEMU side of the lab: pristine base, patch queue (qemu/), cached builds.
+"""The QEMU side of the lab: pristine base, patch series (qemu/), cached builds.
 
 The twin of kernel.py. The stock baseline is Debian's qemu-system-x86 from
 bookworm-backports (QEMU 10.0); the freepage variants run a build of the
-same QEMU release with qemu/patches applied.
+same QEMU release with every series of qemu/ applied (QUEUES, in order).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import buildcache, kernel, patchqueue, paths
-from .patchqueue import Series
+from . import buildcache, patchqueue, paths
+from .patchqueue import Queue, Series
 from .runners import QEMU_FIRMWARE_DIRS, STOCK_QEMU
 from .shell import LabError, Shell, StageResult, timed
 
@@ -126,8 +126,26 @@ def base_tree(shell: Shell) -> Path:
 # Patch queue
 # --------------------------------------------------------------------------
 
+QUEUES = {
+    # applies to pristine 10.0.2 on its own
+    "device-init": Queue("device-init", paths.QEMU_DIR),
+    # free page hinting, on top of device-init
+    "free-page-hint": Queue("free-page-hint", paths.QEMU_DIR, ("device-init",)),
+}
+# the top series a QEMU build carries, with every series it requires
+TOP = QUEUES["free-page-hint"]
+BENCH_DIR = paths.QEMU_DIR / "bench"
+
+
+def stack(queue: Queue = TOP) -> list[Queue]:
+    """The series to apply for `queue` (default: every series a QEMU build
+    applies), in order, ending with it."""
+    return patchqueue.stack(QUEUES, queue)
+
+
 def load_series() -> Series:
-    return Series.load(paths.QEMU_PATCH_DIR)
+    """The patches of every series a QEMU build applies, named relative to qemu/."""
+    return Series.joined(stack())
 
 
 def tree_path(series: Series) -> Path:
@@ -142,14 +160,16 @@ def applied_tree(shell: Shell, series: Series) -> Path:
                                    "QEMU base tree")
 
 
-def materialise(shell: Shell, series: Series, dest: Path) -> None:
-    """A git work tree: base commit = pristine source, then one commit per patch."""
-    patchqueue.work_tree(shell, base_tree(shell), dest, [("series/qemu", series)],
+def materialise(shell: Shell, dest: Path) -> None:
+    """A git work tree: base commit = pristine source, then one commit per
+    patch, each series ending at its tag (Queue.tag)."""
+    patchqueue.work_tree(shell, base_tree(shell), dest, stack(),
                          f"base: qemu {BASE_VERSION} (Debian orig tarball)", "QEMU base tree")
 
 
-def export(shell: Shell, tree: Path) -> list[str]:
-    return kernel.export(shell, tree, paths.QEMU_PATCH_DIR)
+def export_stack(shell: Shell, tree: Path) -> dict[str, list[str]]:
+    """Write every series back from a work tree made by materialise()."""
+    return patchqueue.export_stack(shell, tree, stack())
 
 
 def checkpatch_problems(output: str) -> list[str]:
@@ -157,27 +177,27 @@ def checkpatch_problems(output: str) -> list[str]:
     return [ln for ln in output.splitlines() if re.search(r"(^|: )(ERROR|WARNING):", ln)]
 
 
-def check(shell: Shell, series: Series) -> StageResult:
-    """The series applies to the pristine base and is checkpatch.pl clean."""
-    finish = timed("check qemu")
+def check(shell: Shell, queue: Queue) -> StageResult:
+    """The series applies to the pristine base after the series it
+    requires, and QEMU's checkpatch.pl finds no ERROR or WARNING in it."""
     base = base_tree(shell)
-    patchqueue.check_applies(shell, base, series, "QEMU base tree")
-    problems = []
-    for patch in series.files:
+
+    def checkpatch(patch: Path) -> str:
         argv: list[str | os.PathLike[str]] = [base / "scripts" / "checkpatch.pl",
                                                "--no-summary", "--terse", patch]
         # not shell.run: checkpatch's exit code alone hides warnings
         shell.show(argv, base)
         if shell.dry_run:
-            continue
+            return ""
         proc = subprocess.run([str(a) for a in argv], cwd=base, capture_output=True, text=True,
                               check=False)
         bad = checkpatch_problems(proc.stdout + proc.stderr)
         if proc.returncode != 0 or bad:
-            problems.append(f"{patch.name}:\n  " + "\n  ".join(bad or [proc.stdout.strip()]))
-    if problems:
-        return finish("failed", "\n".join(problems))
-    return finish("ok", f"{len(series.names)} QEMU patches apply and are checkpatch.pl clean")
+            return f"{patch.name}:\n  " + "\n  ".join(bad or [proc.stdout.strip()])
+        return ""
+
+    return patchqueue.check(shell, base, stack(queue), checkpatch, f"pristine QEMU {BASE_VERSION}",
+                            "QEMU base tree")
 
 
 # --------------------------------------------------------------------------
@@ -207,20 +227,14 @@ def build(shell: Shell, series: Series | None = None,
           extra_patches: tuple[str, ...] = ()) -> BuiltQemu:
     """Configure and build out of tree, or return the cached build.
 
-    `extra_patches`: test-only patches from qemu/bench/, applied after the
-    series (e.g. one that takes a fix back out, to show a test fails).
+    `extra_patches`: test-only patches from qemu/bench/, applied after
+    every series (e.g. one that takes a fix back out, to show a test fails).
 
     The build directory is a direct child of the applied tree, so meson
     names sources "../hw/...": with ccache a series edit recompiles only
     the files it touched.
     """
-    series = load_series() if series is None else series
-    for name in extra_patches:
-        if not (paths.QEMU_DIR / "bench" / name).is_file():
-            raise LabError(f"test-only patch qemu/bench/{name} does not exist")
-    if extra_patches:
-        series = Series(series.directory,
-                        series.names + tuple(f"../bench/{n}" for n in extra_patches))
+    series = (load_series() if series is None else series).plus(BENCH_DIR, extra_patches)
     key = build_key(series)
     out = tree_path(series) / f"build-{key}"
     binary = out / BINARY_NAME
@@ -350,7 +364,7 @@ def run_qtest_case(argv: list[str], env: dict[str, str], path: str) -> tuple[str
 def run_qtest(shell: Shell, built: BuiltQemu, name: str = QTEST_NAME) -> list[QtestCase]:
     """Build the qtest in the build's tree and run each case in its own
     process against the build (one case's abort does not hide the next)."""
-    env = kernel.ccache_env() or {}
+    env = buildcache.ccache_env() or {}
     shell.run(["nice", "-n", "5", "ninja", "-C", built.out_dir, f"tests/qtest/{name}"],
               env=env, log=built.out_dir / f"build-{name}.log", what=f"build {name}")
     binary = qtest_binary(built, name)

@@ -53,14 +53,14 @@ class GuestConfig:
 # one-line change here (GuestConfig field -> property)
 BALLOON_PROPERTIES = {
     "free_page_reporting": "free-page-reporting",
-    # feature bits 6 and 7 (qemu/patches): experimental (x-) while the
+    # feature bits 6 and 7 (qemu/device-init): experimental (x-) while the
     # virtio spec has not allocated the bits, whose numbers may change
     "device_init_reported": "x-device-init-reported",
     "device_init_on_inflate": "x-device-init-on-inflate",
 }
 HINT_PROPERTY = "free-page-hint"
 IOTHREAD_PROPERTY = "iothread"
-# the balloon's front-end for a vhost-user backend (qemu/patches): virtio
+# the balloon's front-end for a vhost-user backend (qemu/device-init): virtio
 # id 5, its queues and config fixed by QEMU
 VHOST_USER_DEVICE = "vhost-user-balloon-pci,chardev={chardev}"
 
@@ -142,7 +142,7 @@ BALLOON_INIT_PROPS = {k: v for k, v in BALLOON_PROPERTIES.items() if k != "free_
 class QemuRunner(Runner):
     """QEMU x86_64, TCG unless hardware KVM really works.
 
-    `binary`: Debian's QEMU (the stock baseline) or a build of qemu/patches
+    `binary`: Debian's QEMU (the stock baseline) or a build of the qemu/ series
     (freepage variants; given Debian's firmware directories with -L).
     """
 
@@ -196,7 +196,7 @@ class QemuRunner(Runner):
 
     @staticmethod
     def vhost_user_balloon_args(cfg: GuestConfig) -> list[str]:
-        """vhost-user-balloon-pci (qemu/patches): the balloon's front-end for a
+        """vhost-user-balloon-pci (qemu/device-init): the balloon's front-end for a
         vhost-user backend (virtio id 5, its queues and config fixed by QEMU)."""
         return ["-object", f"memory-backend-memfd,id=mem,size={cfg.mem_mib}M,share=on",
                 "-chardev", f"socket,id=vub,path={cfg.vhost_user_balloon}",

@@ -51,10 +51,20 @@ def test_dry_run_with_patched_qemu_builds_it_and_runs_it(capsys, tmp_path, monke
     assert not (tmp_path / "cache" / "qemu").exists()
 
 
-def test_series_check_qemu_is_the_qemu_queue(capsys, monkeypatch):
+def test_series_check_qemu_checks_every_qemu_series(capsys, monkeypatch):
     calls = []
-    monkeypatch.setattr(cli.qemu, "check", lambda shell, series: calls.append(series.names)
-                        or cli.StageResult("check qemu", "ok", 0.0))
+    monkeypatch.setattr(cli.qemu, "check", lambda shell, queue: calls.append(queue.name)
+                        or cli.StageResult(f"check {queue.name}", "ok", 0.0))
     assert cli.main(["series", "check", "--qemu"]) == 0
     assert cli.main(["qemu", "check"]) == 0
-    assert len(calls) == 2 and calls[0] == calls[1] == cli.qemu.load_series().names
+    assert calls == [*cli.qemu.QUEUES, *cli.qemu.QUEUES]
+    assert calls[:2] == ["device-init", "free-page-hint"]
+
+
+def test_qemu_tree_tags_the_end_of_each_series(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path / "cache"))
+    assert cli.main(["--dry-run", "qemu", "tree", str(tmp_path / "tree")]) == 0
+    cap = capsys.readouterr()
+    tags = [ln.split()[-1] for ln in cap.err.splitlines() if " tag -f " in ln]
+    assert tags == ["series/device-init", "series/free-page-hint"]
+    assert "series end at series/device-init, series/free-page-hint" in cap.out

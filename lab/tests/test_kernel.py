@@ -64,18 +64,6 @@ def test_every_shipped_fragment_parses():
         assert kernel.parse_fragment(frag.read_text()), frag
 
 
-def test_export_carries_the_cover_letter_text() -> None:
-    old = ("From 1 Mon Sep 17 00:00:00 2001\nSubject: [PATCH 00/16] mm: the title\n\n"
-           "Numbers:\n\n| a | b |\n\nfreepage (16):\n  mm: one\n")
-    new = ("From 2 Mon Sep 17 00:00:00 2001\nSubject: [PATCH 00/17] *** SUBJECT HERE ***\n\n"
-           "*** BLURB HERE ***\n\nfreepage (17):\n  mm: one\n  mm: two\n")
-    out = kernel.carry_cover(old, new)
-    assert "Subject: [PATCH 00/17] mm: the title\n\nNumbers:\n\n| a | b |\n\nfreepage (17):" in out
-    assert "***" not in out
-    # nothing to carry: the fresh letter stays as git wrote it
-    assert kernel.carry_cover("garbage", new) == new
-
-
 def test_stock_kernel_with_test_only_patches_is_keyed_by_them(tmp_path):
     vanilla = kernel.BuildSpec("um", patched=False)
     plain = kernel.build_key(vanilla, "6.12.1", kernel.Series.empty())

@@ -1,10 +1,13 @@
 """The QEMU patch queue and build: keys, placeholders, checkpatch parsing, dry runs."""
 
+import re
 from pathlib import Path
 
-from freepage_lab import qemu
-from freepage_lab.kernel import Series
-from freepage_lab.shell import Shell
+import pytest
+
+from freepage_lab import patchqueue, paths, qemu
+from freepage_lab.patchqueue import Series
+from freepage_lab.shell import LabError, Shell
 
 
 def series_of(directory: Path, **patches: str) -> Series:
@@ -64,11 +67,47 @@ def test_dry_run_build_prints_configure_and_ninja(tmp_path, monkeypatch, capsys)
     assert not (tmp_path / "qemu" / "build").exists()
 
 
-def test_series_lists_the_queue_in_order():
+def test_each_series_has_its_directory_and_applies_on_what_it_requires():
+    assert list(qemu.QUEUES) == ["device-init", "free-page-hint"]
+    assert qemu.QUEUES["free-page-hint"].requires == ("device-init",)
+    assert qemu.stack() == list(qemu.QUEUES.values())
+    for q in qemu.stack():
+        assert q.patch_dir == paths.QEMU_DIR / q.name / "patches"
+        assert (q.patch_dir / "series").is_file(), f"{q.name}: no series file"
+    cover = (qemu.QUEUES["device-init"].patch_dir / patchqueue.COVER).read_text()
+    assert "Subject: [PATCH 0/8] virtio-balloon: zero means zero, end to end" in cover
+
+
+def test_a_build_applies_every_series_in_order():
     series = qemu.load_series()
-    assert series.names, "qemu/patches/series is empty"
-    assert all(n[:4].isdigit() for n in series.names)
-    assert "0000-cover-letter.patch" not in series.names
+    assert series.directory == paths.QEMU_DIR
+    dirs = [n.split("/")[0] for n in series.names]
+    assert dirs == sorted(dirs, key=list(qemu.QUEUES).index)
+    assert "device-init" in dirs
+    assert all(n.split("/")[-1][:4].isdigit() for n in series.names)
+    assert not any(n.endswith(patchqueue.COVER) for n in series.names)
+    assert all(f.is_file() for f in series.files)
+
+
+def test_build_key_is_that_of_the_series_with_patches():
+    """An empty series on top rebuilds nothing: the key hashes patch names
+    and contents, not the directories they live in."""
+    with_patches = [q for q in qemu.stack() if Series.load(q.patch_dir).names]
+    alone = Series.joined(with_patches)
+    assert qemu.build_key(qemu.load_series()) == qemu.build_key(alone)
+    assert qemu.tree_path(qemu.load_series()) == qemu.tree_path(alone)
+
+
+def test_extra_patches_come_from_qemu_bench_after_every_series(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path))
+    plain = qemu.build(Shell(dry_run=True))
+    built = qemu.build(Shell(dry_run=True), extra_patches=("no-guest-bounds.patch",))
+    assert built.key != plain.key
+    applied = re.findall(r"patch -p1 .* -i (\S+)", capsys.readouterr().err)
+    want = [*map(str, qemu.load_series().files), str(qemu.BENCH_DIR / "no-guest-bounds.patch")]
+    assert applied[-len(want):] == want
+    with pytest.raises(LabError, match="qemu/bench/absent.patch does not exist"):
+        qemu.build(Shell(dry_run=True), extra_patches=("absent.patch",))
 
 
 def test_warnings_in_files_the_series_touches_are_found(tmp_path):

@@ -30,7 +30,7 @@ negotiated the bits cannot move to a daemon that does not offer them: the
 destination refuses the stream, the guest keeps running on the source.
 
 Baselines, expected to fail (FREEPAGE_MIGRATION_BASELINE=...):
-* `stock`: Debian's QEMU (no qemu/patches), which discards reported pages
+* `stock`: Debian's QEMU (none of the qemu/ series), which discards reported pages
   without marking them dirty (reporting test; the guest does not get bit 6
   there, the host-side comparison fails all the same);
 * `no-dirty`: the patched QEMU with qemu/bench/no-dirty-discards.patch,

@@ -1,7 +1,7 @@
 """vhost-user-balloon behind QEMU: the Rust daemon serves an x86 guest.
 
 The patched QEMU runs the daemon through vhost-user-balloon-pci, the
-balloon's vhost-user front-end of qemu/patches; guest RAM is a shared memfd
+balloon's vhost-user front-end of qemu/device-init; guest RAM is a shared memfd
 the daemon maps.
 The guest writes 256 MiB to a tmpfs file, deletes it and forces a reporting
 pass; the daemon discards what the guest reported, which the host sees as

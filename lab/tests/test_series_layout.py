@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from freepage_lab import kernel, paths, prefixbuild
+from freepage_lab import kernel, patchqueue, paths, prefixbuild
 from freepage_lab.shell import Shell
 
 SERIES = ("page-reporting", "never-zero-twice", "prezero")
@@ -53,7 +53,7 @@ def test_each_series_has_its_directory_series_file_and_cover_letter(name):
     assert queue.patch_dir == paths.KERNEL_DIR / name / "patches"
     series = kernel.Series.load(queue.patch_dir)
     assert series.names, f"{name}: empty series"
-    cover = (queue.patch_dir / kernel.COVER).read_text()
+    cover = (queue.patch_dir / patchqueue.COVER).read_text()
     assert "base-commit: " in cover
     # a series on top of others names each of their patches by patch id
     prereqs = sum(len(kernel.Series.load(kernel.QUEUES[r].patch_dir).names)

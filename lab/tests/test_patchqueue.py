@@ -1,0 +1,139 @@
+"""Series that apply on top of each other: joined for a build, in a git work
+tree with a tag per series, exported back, checked; an empty series on top
+changes nothing of what is below it."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from freepage_lab import patchqueue
+from freepage_lab.patchqueue import Queue, Series
+from freepage_lab.shell import LabError, Shell
+
+GIT = ["git", "-c", "user.name=freepage", "-c", "user.email=dev@freepage.invalid"]
+
+
+def git(tree: Path, *args: str) -> str:
+    return subprocess.run([*GIT, "-C", str(tree), *args], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+@pytest.fixture
+def queues(tmp_path: Path) -> dict[str, Queue]:
+    """A pristine base and two series: `first` with no patches yet, `second`
+    on top of it."""
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "hello.txt").write_text("hello\n")
+    out = {"first": Queue("first", tmp_path / "root"),
+           "second": Queue("second", tmp_path / "root", ("first",))}
+    for q in out.values():
+        q.patch_dir.mkdir(parents=True)
+        (q.patch_dir / "series").write_text("")
+    return out
+
+
+def with_one_patch(tmp_path: Path, queues: dict[str, Queue]) -> Path:
+    """`first` carries one patch (made in a work tree and exported);
+    `second` stays empty. Returns the work tree."""
+    tree = tmp_path / "tree"
+    stack = patchqueue.stack(queues, queues["second"])
+    patchqueue.work_tree(Shell(quiet=True), tmp_path / "base", tree, stack, "base", "base")
+    (tree / "hello.txt").write_text("hello, world\n")
+    git(tree, "commit", "-q", "-a", "-m", "hello: greet the world")
+    git(tree, "tag", "-f", "series/first")
+    git(tree, "tag", "-f", "series/second")
+    patchqueue.export_stack(Shell(quiet=True), tree, stack)
+    return tree
+
+
+def without_commit_ids(directory: Path) -> dict[str, str]:
+    return {p.name: re.sub(r"^From [0-9a-f]{40} ", "From - ", p.read_text(), flags=re.M)
+            for p in sorted(directory.iterdir())}
+
+
+def test_an_empty_series_on_top_gets_its_tag_and_exports_as_an_empty_series_file(tmp_path, queues):
+    with_one_patch(tmp_path, queues)
+    first, second = queues["first"], queues["second"]
+    assert Series.load(first.patch_dir).names == ("0001-hello-greet-the-world.patch",)
+    assert sorted(p.name for p in second.patch_dir.iterdir()) == ["series"]
+    assert (second.patch_dir / "series").read_text() == ""
+
+    # a fresh work tree of the exported series: both tags at the one commit
+    tree = tmp_path / "again"
+    stack = patchqueue.stack(queues, second)
+    patchqueue.work_tree(Shell(quiet=True), tmp_path / "base", tree, stack, "base", "base")
+    assert git(tree, "log", "--format=%s", "freepage-base..series/first") == "hello: greet the world"
+    assert git(tree, "rev-parse", "series/first") == git(tree, "rev-parse", "series/second")
+
+    # exported again: the same series, but for the commit ids of the From lines
+    before = {q.name: without_commit_ids(q.patch_dir) for q in stack}
+    names = patchqueue.export_stack(Shell(quiet=True), tree, stack)
+    assert names == {"first": ["0001-hello-greet-the-world.patch"], "second": []}
+    assert {q.name: without_commit_ids(q.patch_dir) for q in stack} == before
+
+
+def test_joined_series_are_named_from_the_root_and_an_empty_one_keeps_the_digest(tmp_path,
+                                                                                  queues):
+    with_one_patch(tmp_path, queues)
+    first, second = queues["first"], queues["second"]
+    joined = Series.joined(patchqueue.stack(queues, second))
+    assert joined.directory == first.root
+    assert joined.names == ("first/patches/0001-hello-greet-the-world.patch",)
+    assert all(f.is_file() for f in joined.files)
+    # what build keys hash: an empty series on top changes nothing
+    assert joined.digest() == Series.load(first.patch_dir).digest()
+
+
+def test_test_only_patches_follow_the_series(tmp_path, queues):
+    with_one_patch(tmp_path, queues)
+    bench = tmp_path / "root" / "bench"
+    bench.mkdir()
+    (bench / "take-it-out.patch").write_text("")
+    joined = Series.joined(patchqueue.stack(queues, queues["second"]))
+    plus = joined.plus(bench, ["take-it-out.patch"])
+    assert plus.names[-1] == "bench/take-it-out.patch"
+    assert plus.files[-1] == bench / "take-it-out.patch"
+    with pytest.raises(LabError, match="test-only patch .*/bench/absent.patch does not exist"):
+        joined.plus(bench, ["absent.patch"])
+
+
+def test_check_applies_what_a_series_requires_and_checks_only_its_own_patches(tmp_path, queues):
+    with_one_patch(tmp_path, queues)
+    seen: list[str] = []
+
+    def checkpatch(patch: Path) -> str:
+        seen.append(patch.name)
+        return ""
+
+    shell = Shell(quiet=True)
+    res = patchqueue.check(shell, tmp_path / "base", patchqueue.stack(queues, queues["second"]),
+                           checkpatch, "pristine base", "base")
+    assert (res.name, res.status, seen) == ("check second", "ok", [])
+    assert res.detail == "0 patches apply on first and are checkpatch clean"
+
+    res = patchqueue.check(shell, tmp_path / "base", [queues["first"]],
+                           lambda patch: f"{patch.name}: WARNING: no", "pristine base", "base")
+    assert res.status == "failed"
+    assert res.detail == "0001-hello-greet-the-world.patch: WARNING: no"
+
+
+def test_check_names_a_patch_that_does_not_apply(tmp_path, queues):
+    with_one_patch(tmp_path, queues)
+    (tmp_path / "base" / "hello.txt").write_text("goodbye\n")
+    with pytest.raises(LabError, match="0001-hello-greet-the-world.patch does not apply"):
+        patchqueue.check(Shell(quiet=True), tmp_path / "base", [queues["first"]],
+                         lambda patch: "", "pristine base", "base")
+
+
+def test_export_carries_the_cover_letter_text() -> None:
+    old = ("From 1 Mon Sep 17 00:00:00 2001\nSubject: [PATCH 00/16] mm: the title\n\n"
+           "Numbers:\n\n| a | b |\n\nfreepage (16):\n  mm: one\n")
+    new = ("From 2 Mon Sep 17 00:00:00 2001\nSubject: [PATCH 00/17] *** SUBJECT HERE ***\n\n"
+           "*** BLURB HERE ***\n\nfreepage (17):\n  mm: one\n  mm: two\n")
+    out = patchqueue.carry_cover(old, new)
+    assert "Subject: [PATCH 00/17] mm: the title\n\nNumbers:\n\n| a | b |\n\nfreepage (17):" in out
+    assert "***" not in out
+    # nothing to carry: the fresh letter stays as git wrote it
+    assert patchqueue.carry_cover("garbage", new) == new
