@@ -105,6 +105,9 @@ def base_tree(shell: Shell) -> Path:
 # Patch queue
 # --------------------------------------------------------------------------
 
+# hash length of the series' index lines (patchqueue.work_tree())
+ABBREV = 9
+
 class Series(patchqueue.Series):
     """A kernel series (kernel/<series>/patches/series), or the patches of a
     queue and every series it requires."""
@@ -149,7 +152,7 @@ def materialise(shell: Shell, queue: Queue, dest: Path) -> None:
     patch of `queue` and the series it requires, each series ending at its
     tag (Queue.tag)."""
     patchqueue.work_tree(shell, base_tree(shell), dest, stack(queue),
-                         f"base: {paths.BASE_PACKAGE} {base_version(shell)}", "base tree")
+                         f"base: {paths.BASE_PACKAGE} {base_version(shell)}", "base tree", ABBREV)
 
 
 def export_stack(shell: Shell, tree: Path, queue: Queue) -> dict[str, list[str]]:

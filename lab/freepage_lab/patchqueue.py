@@ -131,28 +131,41 @@ def _apply(shell: Shell, base: Path, tree: Path, series: Series, what: str) -> N
                   what=f"apply {patch.name}")
 
 
-# the base commit has fixed dates, so that its hash (the base-commit of the
-# cover letters) is the same in every work tree of the same base version
-BASE_DATE = {"GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z"}
+# who makes the base commit and sends the cover letters; as environment,
+# which overrides every git config, so that the exporting user's does not
+# show in the series
+COMMITTER = {"GIT_COMMITTER_NAME": "freepage", "GIT_COMMITTER_EMAIL": "dev@freepage.invalid"}
+# the base commit has a fixed author and dates, so that its hash (the
+# base-commit of the cover letters) is the same in every work tree of the
+# same base version
+BASE_COMMIT = {**COMMITTER, "GIT_AUTHOR_NAME": "freepage", "GIT_AUTHOR_EMAIL": "dev@freepage.invalid",
+               "GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z"}
 
 
 BASE_TAG = "freepage-base"
 
 
 def work_tree(shell: Shell, base: Path, dest: Path, queues: Sequence[Queue],
-              base_subject: str, what: str) -> None:
+              base_subject: str, what: str, abbrev: int) -> None:
     """A git work tree at `dest`: base commit = pristine source, tagged
     BASE_TAG, then one commit per patch of `queues`; each series ends at
-    its tag (Queue.tag)."""
+    its tag (Queue.tag).
+
+    `abbrev`: the hash length of the index lines the series were exported
+    with, kept in the tree's config: git's own default grows with the
+    objects in the tree (rebases, gc) and a user's core.abbrev differs,
+    and either would rewrite every patch, and every build key, on export.
+    """
     if dest.exists() and any(dest.iterdir()):
         raise LabError(f"{dest} exists and is not empty; remove it or pick another dir")
     shell.run(["cp", "-a", f"{base}/.", dest], what=f"copy {what}")
     git: list[str | os.PathLike[str]] = ["git", "-C", dest, "-c", "user.name=freepage",
                                          "-c", "user.email=dev@freepage.invalid"]
     shell.run([*git, "init", "-q"], what="git init")
+    shell.run([*git, "config", "core.abbrev", str(abbrev)], what="git config core.abbrev")
     # Debian's kernel tree ignores everything in its top .gitignore ("/*")
     shell.run([*git, "add", "-f", "-A"], what="git add")
-    shell.run([*git, "commit", "-q", "-m", base_subject], env=BASE_DATE, what="git commit base")
+    shell.run([*git, "commit", "-q", "-m", base_subject], env=BASE_COMMIT, what="git commit base")
     shell.run([*git, "tag", BASE_TAG], what="git tag")
     for q in queues:
         series = Series.load(q.patch_dir)
@@ -204,8 +217,13 @@ def export(shell: Shell, tree: Path, directory: Path, start: str = BASE_TAG,
     if count == "0":
         names: list[str] = []
     else:
+        # the cover letter is dated as its newest patch, not as the export
+        dates = shell.run(["git", "-C", tree, "log", "--format=%at", f"{start}..{end}"],
+                          capture=True, what="author dates").split()
+        sent = {"GIT_COMMITTER_DATE": f"{max(map(int, dates))} +0000"} if dates else {}
         shell.run(["git", "-C", tree, "format-patch", "-q", "--cover-letter", f"--base={BASE_TAG}",
-                   "-o", directory, f"{start}..{end}"], what="git format-patch")
+                   "-o", directory, f"{start}..{end}"], env={**COMMITTER, **sent},
+                  what="git format-patch")
         names = sorted(p.name for p in directory.glob("*.patch") if not p.name.startswith("0000-"))
         if kept and not shell.dry_run:
             (directory / COVER).write_text(carry_cover(kept, (directory / COVER).read_text()))

@@ -135,6 +135,8 @@ QUEUES = {
 # the top series a QEMU build carries, with every series it requires
 TOP = QUEUES["free-page-hint"]
 BENCH_DIR = paths.QEMU_DIR / "bench"
+# hash length of the series' index lines (patchqueue.work_tree())
+ABBREV = 8
 
 
 def stack(queue: Queue = TOP) -> list[Queue]:
@@ -164,7 +166,7 @@ def materialise(shell: Shell, dest: Path) -> None:
     """A git work tree: base commit = pristine source, then one commit per
     patch, each series ending at its tag (Queue.tag)."""
     patchqueue.work_tree(shell, base_tree(shell), dest, stack(),
-                         f"base: qemu {BASE_VERSION} (Debian orig tarball)", "QEMU base tree")
+                         f"base: qemu {BASE_VERSION} (Debian orig tarball)", "QEMU base tree", ABBREV)
 
 
 def export_stack(shell: Shell, tree: Path) -> dict[str, list[str]]:

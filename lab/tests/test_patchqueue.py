@@ -2,6 +2,7 @@
 tree with a tag per series, exported back, checked; an empty series on top
 changes nothing of what is below it."""
 
+import difflib
 import re
 import subprocess
 from pathlib import Path
@@ -39,7 +40,7 @@ def with_one_patch(tmp_path: Path, queues: dict[str, Queue]) -> Path:
     `second` stays empty. Returns the work tree."""
     tree = tmp_path / "tree"
     stack = patchqueue.stack(queues, queues["second"])
-    patchqueue.work_tree(Shell(quiet=True), tmp_path / "base", tree, stack, "base", "base")
+    patchqueue.work_tree(Shell(quiet=True), tmp_path / "base", tree, stack, "base", "base", 7)
     (tree / "hello.txt").write_text("hello, world\n")
     git(tree, "commit", "-q", "-a", "-m", "hello: greet the world")
     git(tree, "tag", "-f", "series/first")
@@ -63,7 +64,7 @@ def test_an_empty_series_on_top_gets_its_tag_and_exports_as_an_empty_series_file
     # a fresh work tree of the exported series: both tags at the one commit
     tree = tmp_path / "again"
     stack = patchqueue.stack(queues, second)
-    patchqueue.work_tree(Shell(quiet=True), tmp_path / "base", tree, stack, "base", "base")
+    patchqueue.work_tree(Shell(quiet=True), tmp_path / "base", tree, stack, "base", "base", 7)
     assert git(tree, "log", "--format=%s", "freepage-base..series/first") == "hello: greet the world"
     assert git(tree, "rev-parse", "series/first") == git(tree, "rev-parse", "series/second")
 
@@ -72,6 +73,30 @@ def test_an_empty_series_on_top_gets_its_tag_and_exports_as_an_empty_series_file
     names = patchqueue.export_stack(Shell(quiet=True), tree, stack)
     assert names == {"first": ["0001-hello-greet-the-world.patch"], "second": []}
     assert {q.name: without_commit_ids(q.patch_dir) for q in stack} == before
+
+
+def test_an_export_is_the_same_whoever_exports_it_and_when(tmp_path, queues, monkeypatch):
+    """Only the commit ids of the From lines may change: the cover letter's
+    sender and date, and the hash length of the index lines, come from the
+    series, not from the exporting user's git (a ~/.gitconfig with
+    core.abbrev = 12 would rewrite every patch, and every build key)."""
+    with_one_patch(tmp_path, queues)
+    stack = patchqueue.stack(queues, queues["second"])
+    before = {q.name: without_commit_ids(q.patch_dir) for q in stack}
+    (tmp_path / "gitconfig").write_text("[core]\n\tabbrev = 12\n")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(tmp_path / "gitconfig"))
+    monkeypatch.setenv("GIT_COMMITTER_NAME", "Someone Else")
+    monkeypatch.setenv("GIT_COMMITTER_EMAIL", "else@example.invalid")
+    monkeypatch.setenv("GIT_COMMITTER_DATE", "2030-01-01T00:00:00Z")
+    tree = tmp_path / "elsewhere"
+    patchqueue.work_tree(Shell(quiet=True), tmp_path / "base", tree, stack, "base", "base", 7)
+    patchqueue.export_stack(Shell(quiet=True), tree, stack)
+    after = {q.name: without_commit_ids(q.patch_dir) for q in stack}
+    changed = [(name, f, line) for name, files in after.items() for f, text in files.items()
+               for line in difflib.unified_diff(before[name].get(f, "").splitlines(),
+                                                text.splitlines(), lineterm="", n=0)
+               if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+    assert not changed, "\n".join(" ".join(c) for c in changed)
 
 
 def test_joined_series_are_named_from_the_root_and_an_empty_one_keeps_the_digest(tmp_path,
