@@ -131,14 +131,15 @@ def _apply(shell: Shell, base: Path, tree: Path, series: Series, what: str) -> N
                   what=f"apply {patch.name}")
 
 
-# who makes the base commit and sends the cover letters; as environment,
-# which overrides every git config, so that the exporting user's does not
-# show in the series
+# who commits the patches of a work tree and sends the cover letters; as
+# environment, which overrides every git config, so that the exporting
+# user's does not show in the series
 COMMITTER = {"GIT_COMMITTER_NAME": "freepage", "GIT_COMMITTER_EMAIL": "dev@freepage.invalid"}
 # the base commit has a fixed author and dates, so that its hash (the
 # base-commit of the cover letters) is the same in every work tree of the
 # same base version
-BASE_COMMIT = {**COMMITTER, "GIT_AUTHOR_NAME": "freepage", "GIT_AUTHOR_EMAIL": "dev@freepage.invalid",
+BASE_COMMIT = {**COMMITTER, "GIT_AUTHOR_NAME": COMMITTER["GIT_COMMITTER_NAME"],
+               "GIT_AUTHOR_EMAIL": COMMITTER["GIT_COMMITTER_EMAIL"],
                "GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z"}
 
 
@@ -159,8 +160,7 @@ def work_tree(shell: Shell, base: Path, dest: Path, queues: Sequence[Queue],
     if dest.exists() and any(dest.iterdir()):
         raise LabError(f"{dest} exists and is not empty; remove it or pick another dir")
     shell.run(["cp", "-a", f"{base}/.", dest], what=f"copy {what}")
-    git: list[str | os.PathLike[str]] = ["git", "-C", dest, "-c", "user.name=freepage",
-                                         "-c", "user.email=dev@freepage.invalid"]
+    git: list[str | os.PathLike[str]] = ["git", "-C", dest]
     shell.run([*git, "init", "-q"], what="git init")
     shell.run([*git, "config", "core.abbrev", str(abbrev)], what="git config core.abbrev")
     # Debian's kernel tree ignores everything in its top .gitignore ("/*")
@@ -170,7 +170,7 @@ def work_tree(shell: Shell, base: Path, dest: Path, queues: Sequence[Queue],
     for q in queues:
         series = Series.load(q.patch_dir)
         if series.files:
-            shell.run([*git, "am", "-q", *series.files], what=f"git am {q.tag}")
+            shell.run([*git, "am", "-q", *series.files], env=COMMITTER, what=f"git am {q.tag}")
         shell.run([*git, "tag", "-f", q.tag], what=f"git tag {q.tag}")
 
 
