@@ -163,6 +163,9 @@ def work_tree(shell: Shell, base: Path, dest: Path, queues: Sequence[Queue],
     git: list[str | os.PathLike[str]] = ["git", "-C", dest]
     shell.run([*git, "init", "-q"], what="git init")
     shell.run([*git, "config", "core.abbrev", str(abbrev)], what="git config core.abbrev")
+    # no automatic repack in the background: after `git am` into a fresh
+    # kernel tree it takes minutes of CPU
+    shell.run([*git, "config", "gc.auto", "0"], what="git config gc.auto")
     # Debian's kernel tree ignores everything in its top .gitignore ("/*")
     shell.run([*git, "add", "-f", "-A"], what="git add")
     shell.run([*git, "commit", "-q", "-m", base_subject], env=BASE_COMMIT, what="git commit base")
