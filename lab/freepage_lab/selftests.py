@@ -6,8 +6,9 @@ it. User space does not change with the series, so one build serves the
 stock kernel and the series alike:
 
 * `KVM` (arm64): the KVM selftests the arm64 initramfs carries under /kvm,
-  with a test-only patch that lets the environment turn eager splitting on
-  (kernel/arm64-split/bench/selftests-eager-split-env.patch);
+  with a test-only patch that gives dirty_log_perf_test and dirty_log_test
+  an option to turn eager splitting on, -S <bytes>
+  (kernel/arm64-split/bench/selftests-eager-split-option.patch);
 * `MM` (x86_64): the mm selftests `freepage mm-selftests` runs (/mm),
   from the pristine tree as it is.
 
@@ -65,7 +66,7 @@ class Suite:
 KVM = Suite("kvm", "arm64",
             ("dirty_log_perf_test", "dirty_log_test", "kvm_page_table_test",
              "aarch64/page_fault_test"),
-            patches=("selftests-eager-split-env.patch",),
+            patches=("selftests-eager-split-option.patch",),
             bench_dir=kernel.QUEUES["arm64-split"].bench_dir,
             make_vars=("abs_objdir={out}/gen",))
 

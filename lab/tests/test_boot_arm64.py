@@ -10,7 +10,7 @@ KVM_UP = {"vhe": "kvm [1]: VHE mode initialized successfully",
           "nvhe": "kvm [1]: Hyp nVHE mode initialized successfully"}
 # 4 KiB guest pages (mode 6: 40-bit IPA), few short passes: a nested guest
 # under TCG is slow; with eager splitting on, so the split walk runs
-DIRTY_LOG_TEST = ("KVM_EAGER_SPLIT_CHUNK_SIZE=2097152 /kvm/dirty_log_test -m 6 -i 3 -I 1 -M {}"
+DIRTY_LOG_TEST = ("/kvm/dirty_log_test -S 2097152 -m 6 -i 3 -I 1 -M {}"
                   " && echo DIRTY-LOG-{}-OK\n")
 KTAP_LINES = "(ok|not ok) [0-9]+ |# [a-z0-9_]+: pass:"
 SPLIT_SUITE = "kvm_stage2_split"

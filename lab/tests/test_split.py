@@ -19,7 +19,7 @@ def rec(backing="anonymous", manual="-g", ns=1000, visits=(1, 1, 128, 65536), en
 def test_guest_script_runs_every_case_with_eager_split_on():
     p = split.Params(backings=("anonymous", "anonymous_hugetlb"), manual=("off", "on"), mib=64)
     text = split.guest_script(p)
-    assert "KVM_EAGER_SPLIT_CHUNK_SIZE=2097152 /kvm/dirty_log_perf_test -m 6 -v 1" in text
+    assert "/kvm/dirty_log_perf_test -S 2097152 -m 6 -v 1" in text
     assert "-b 64M -i 2" in text
     assert "run_case anonymous -g\n" in text and "run_case anonymous\n" in text
     assert "run_case anonymous_hugetlb -g\n" in text

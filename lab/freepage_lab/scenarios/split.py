@@ -3,8 +3,9 @@
 Platform arm64 only: qemu-system-aarch64 (TCG) gives the guest EL2, so its
 kernel runs KVM for real, and the KVM selftest dirty_log_perf_test runs a
 nested guest on it. Eager splitting is off by default in 6.12; the
-selftests carry a test-only patch that sets KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE
-from the environment (kernel/arm64-split/bench/selftests-eager-split-env.patch).
+selftests carry a test-only patch that gives dirty_log_perf_test and
+dirty_log_test an option, -S <bytes>, that sets KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE
+(kernel/arm64-split/bench/selftests-eager-split-option.patch).
 
 Both kernels carry a test-only patch (kernel/arm64-split/bench/split-walk-stats.patch)
 that counts, per page-table level, the entries the split walk visits, and
@@ -16,7 +17,7 @@ the CPU while mmu_lock is held for write). A software model's timings mean
 nothing for hardware; its instruction and visit counts are work, and that
 is all this scenario reports.
 
-Per case (backing x manual protect), dirty_log_perf_test -m 6 (4 KiB guest
+Per case (backing x manual protect), dirty_log_perf_test -S <chunk> -m 6 (4 KiB guest
 pages, 40-bit IPA; -m 8 with guest_page_kib=64) -v 1 -b <mib>M -i <iterations> -s <backing>, with -g
 when manual protect is off: then the whole memslot is split when dirty
 logging is enabled (KVM_SET_USER_MEMORY_REGION2); with manual protect the
@@ -79,7 +80,7 @@ echo {hugepages} > /proc/sys/vm/nr_hugepages
 run_case() {{
 \techo 1 > {stats}
 \trc=0
-\tout=$(KVM_EAGER_SPLIT_CHUNK_SIZE={chunk} /kvm/dirty_log_perf_test -m {mode} -v 1 \\
+\tout=$(/kvm/dirty_log_perf_test -S {chunk} -m {mode} -v 1 \\
 \t\t-b {mib}M -i {iterations} -s "$1" $2 2>&1) || rc=$?
 \techo "$out"
 \ten=$(echo "$out" | sed -n 's/^Enabling dirty logging time: \\([0-9.]*\\)s.*/\\1/p')
