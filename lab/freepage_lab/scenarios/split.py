@@ -52,6 +52,13 @@ STATS_PATCH = "split-walk-stats.patch"
 # instructions at the last level, 8 above it (an index). Subtracted from
 # the ioctl figures, which would otherwise bill stock for its extra visits.
 STATS_INSNS_PER_VISIT = (8, 8, 8, 7)
+# What timing one kvm_pgtable_stage2_split() call adds (split-walk-stats.patch,
+# read off the disassembly of kvm_mmu_split_huge_pages() in both kernels):
+# two ktime_get() calls of 58 instructions each on the common path (seqcount,
+# clocksource read through two calls, cycles to ns) with their calls, the
+# spills around them and the two counters. Subtracted from the ioctl figures
+# too: a kernel that skips a split call would otherwise be credited with it.
+STATS_INSNS_PER_CALL = 129
 # both kernels without test code (kernel/configs/arm64-split-bench.config)
 BENCH_FRAGMENT = "arm64-split-bench.config"
 STATS = "/sys/module/kvm/parameters/split_walk_stats"
@@ -143,6 +150,7 @@ def parse_record(rec: dict[str, Any]) -> dict[str, Any]:
     # every split of the case happens in the ioctl it times: at enable with
     # manual protect off, in KVM_CLEAR_DIRTY_LOG with it on
     overhead = sum(n * v for n, v in zip(STATS_INSNS_PER_VISIT, out["visits_by_level"]))
+    overhead += STATS_INSNS_PER_CALL * out["split_calls"]
     out["stats_overhead_insns"] = overhead
     key = "enable_ioctl_insns" if out["manual"] == "off" else "clear_ioctls_insns"
     out["ioctl_net_insns"] = None if out[key] is None else out[key] - overhead
