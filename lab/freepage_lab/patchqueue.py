@@ -163,6 +163,12 @@ def work_tree(shell: Shell, base: Path, dest: Path, queues: Sequence[Queue],
     git: list[str | os.PathLike[str]] = ["git", "-C", dest]
     shell.run([*git, "init", "-q"], what="git init")
     shell.run([*git, "config", "core.abbrev", str(abbrev)], what="git config core.abbrev")
+    # a commit made in the tree by hand (a new patch) is authored as the
+    # series is, not as whoever edits it
+    shell.run([*git, "config", "user.name", COMMITTER["GIT_COMMITTER_NAME"]],
+              what="git config user.name")
+    shell.run([*git, "config", "user.email", COMMITTER["GIT_COMMITTER_EMAIL"]],
+              what="git config user.email")
     # no automatic repack in the background: after `git am` into a fresh
     # kernel tree it takes minutes of CPU
     shell.run([*git, "config", "gc.auto", "0"], what="git config gc.auto")
