@@ -28,6 +28,7 @@ for bad in abc 12x -1 "" 0x 99999999999999999999999; do
 	expect_refused hugefit --ms --mib 2 --ms "$bad"
 	expect_refused fragment --mib --mib "$bad"
 	expect_refused fragment --seconds --mib 1 --seconds "$bad"
+	expect_refused reuse --mib --mib "$bad"
 done
 expect_refused populate --fill --mib 1 --fill 0x100
 expect_refused populate --repeat --mib 1 --repeat 4294967296
@@ -36,6 +37,7 @@ expect_refused cachewalk --seconds --kib 64 --seconds nan
 expect_refused dirty --pace-ms --mib 1 --pace-ms 5ms
 expect_refused pagefault --seconds --mib 1 --seconds 2.5
 expect_refused fragment --sleep-ms --mib 1 --sleep-ms 1e2
+expect_refused reuse --seconds --mib 1 --seconds nan
 
 [ $fail = 0 ] && echo "check-args: every bad number refused"
 exit $fail
