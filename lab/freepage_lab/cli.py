@@ -101,7 +101,8 @@ def exported(names: dict[str, list[str]], queues: Mapping[str, patchqueue.Queue]
 def cmd_boot(args: argparse.Namespace, shell: Shell) -> int:
     ctx = RunContext.create(shell, f"boot-{args.platform}", platform=args.platform,
                             accel=args.accel, patched=not args.vanilla, variant=args.variant,
-                            extra_fragments=tuple(args.fragment), patched_qemu=args.patched_qemu)
+                            extra_fragments=tuple(args.fragment), patched_qemu=args.patched_qemu,
+                            qemu_extra_patches=tuple(args.qemu_extra_patch))
     script = Path(args.script).read_text() if args.script else DEFAULT_BOOT_SCRIPT
     plan = harness.Plan(script, initrd="boot", mem_mib=args.mem,
                         cmdline=tuple(args.cmdline or ()), timeout_s=args.timeout)
@@ -124,7 +125,8 @@ def cmd_run(args: argparse.Namespace, shell: Shell) -> int:
     params = scenario.params(_parse_params(args.param))
     ctx = RunContext.create(shell, f"{args.scenario}-{args.platform}", platform=args.platform,
                             accel=args.accel, patched=not args.vanilla, variant=args.variant,
-                            extra_fragments=tuple(args.fragment), patched_qemu=args.patched_qemu)
+                            extra_fragments=tuple(args.fragment), patched_qemu=args.patched_qemu,
+                            qemu_extra_patches=tuple(args.qemu_extra_patch))
     outcome = scenarios.run(scenario, ctx, params)
     print(outcome.table)
     for p in outcome.plots:
@@ -223,6 +225,9 @@ def parser() -> argparse.ArgumentParser:
                         "bench.config applies to the stock kernel too")
         sp.add_argument("--patched-qemu", action="store_true",
                         help="QEMU built with the qemu/ series (cached) instead of Debian's")
+        sp.add_argument("--qemu-extra-patch", action="append", default=[], metavar="NAME",
+                        help="test-only qemu/bench/NAME on top of the patched QEMU, for a "
+                        "baseline that takes one change back out (repeatable)")
 
     b = sub.add_parser("build", help="build guest kernels (cached)")
     b.add_argument("--arch", choices=(*kernel.ARCHES, "all"), default="all")

@@ -27,6 +27,9 @@ class RunContext:
     extra_fragments: tuple[str, ...] = ()
     # QEMU: Debian's stock build, or one with the qemu/ series applied
     patched_qemu: bool = False
+    # test-only patches (qemu/bench/) on top of the patched QEMU: a
+    # baseline that takes one change back out
+    qemu_extra_patches: tuple[str, ...] = ()
     # what is built once per run, shared by the contexts on() makes
     _kernels: dict[str, kernel.BuiltKernel] = field(default_factory=dict)
     _qemu: dict[str, Path] = field(default_factory=dict)
@@ -64,7 +67,8 @@ class RunContext:
         if not (self.patched_qemu if patched is None else patched):
             return STOCK_QEMU
         if "patched" not in self._qemu:
-            self._qemu["patched"] = qemu_mod.build(self.shell).binary
+            self._qemu["patched"] = qemu_mod.build(
+                self.shell, extra_patches=self.qemu_extra_patches).binary
         return self._qemu["patched"]
 
     def kernel(self, patched: bool | None = None, extra_patches: tuple[str, ...] = ()) -> Path:

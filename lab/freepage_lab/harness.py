@@ -59,6 +59,8 @@ class Variant:
     hint: bool = False
     # Debian's QEMU even with --patched-qemu: only the guest kernel differs
     stock_qemu: bool = False
+    # QEMU with qemu/'s patch queue even without --patched-qemu
+    patched_qemu: bool = False
     # vhost-user-balloon on QEMU (vhost-user-balloon-pci, patched QEMU)
     vhost_user: bool = False
     # more vhost-user-balloon arguments
@@ -150,10 +152,20 @@ FAMILIES: dict[str, dict[str, Variant]] = {name: {v.name: v for v in vs} for nam
         Variant("stock", patched=False, stock_qemu=True),
         Variant("series", patched=True, stock_qemu=True),
     ),
-    # the context's kernel, migrated with and without free page hinting
+    # live migration with and without free page hinting: stock 6.12 on
+    # Debian's QEMU, the series on the patched QEMU; reporting off (the
+    # freed memory stays resident, what hinting saves shows), and once on
+    # with the device zeroing, so hinting, reporting and known-zero pages
+    # meet in one guest
     "migrate": (
-        Variant("no-hint", reporting=False),
-        Variant("hint", reporting=False, hint=True),
+        Variant("stock", patched=False, reporting=False, stock_qemu=True),
+        Variant("stock-hint", patched=False, reporting=False, hint=True, stock_qemu=True),
+        Variant("no-hint", patched=True, reporting=False, patched_qemu=True),
+        Variant("hint", patched=True, reporting=False, hint=True, patched_qemu=True),
+        Variant("hint-reported", patched=True, hint=True, zeroing=True, patched_qemu=True),
+        # reporting and the device's zeroing alone: the freed memory is
+        # discarded, what the migration does with discarded memory shows
+        Variant("reported", patched=True, zeroing=True, patched_qemu=True),
     ),
 }.items()}
 
@@ -346,7 +358,7 @@ def runner(ctx: RunContext, variant: Variant) -> Runner:
     if variant.stock_qemu:
         return ctx.runner(patched_qemu=False)
     return ctx.runner(patched_qemu=zeroing(ctx, variant) or ctx.patched_qemu
-                      or variant.vhost_user)
+                      or variant.vhost_user or variant.patched_qemu)
 
 
 class Running:

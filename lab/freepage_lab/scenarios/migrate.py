@@ -2,10 +2,30 @@
 
 The guest fills most of its RAM with non-zero data and frees it (QEMU sends
 all-zero pages almost for free, so freed memory must hold data, as it does
-in real workloads).  Free page reporting is off, so the freed memory stays
-resident on the host; what the hint saves is then visible.  A source and a
-destination QEMU migrate over loopback TCP; QEMU reports time, downtime and
-bytes.  Workloads: an idle guest, and one that keeps dirtying 256 MiB.
+in real workloads).  Free page reporting is off except in "hint-reported",
+so the freed memory stays resident on the host; what the hint saves is
+then visible.  A source and a destination QEMU migrate over loopback TCP;
+QEMU reports time, downtime and bytes.
+
+Variants (harness.FAMILIES["migrate"]): stock 6.12 on Debian's QEMU without
+and with hinting, the series on the patched QEMU without and with hinting,
+and with hinting, reporting and the device's zeroing at once.
+
+Workloads: "idle"; "dirty", which keeps writing 256 MiB; "reuse", which
+allocates, stamps, checks and frees 256 MiB over and over, reusing the
+pages the guest hints (its bad pages must be 0: a page that lost what the
+guest wrote fails the run), then populates verify_mib MiB that must read
+zero (a page the guest took for known zero but that came across with
+data fails the run).  Both workloads run for workload_s seconds
+across the migration; their rate (passes or rounds per second) is the
+workload's throughput.
+
+Modes: "precopy"; "postcopy" (postcopy-ram on both ends, switched to after
+the first pass); "multifd" (multifd_channels channels).
+
+Used memory: the guest's RAM minus MemFree when the guest says "ready"
+(after the free, with the workload running): what a migration that sent
+only used memory would send.
 """
 
 from __future__ import annotations
@@ -14,7 +34,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 
-from .. import harness
+from .. import guestshell, harness
 from ..context import RunContext
 from ..initramfs import EVENT
 from ..runners import Qmp
@@ -22,8 +42,15 @@ from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, table
 
-VARIANTS = ("no-hint", "hint")
+VARIANTS = ("stock", "stock-hint", "no-hint", "hint", "hint-reported")
+WORKLOADS = ("idle", "dirty", "reuse")
+MODES = ("precopy", "postcopy", "multifd")
 MIB = 1 << 20
+# the workloads' JSON line: program, and its count of units done
+RATE = {"dirty": ("dirty", "passes"), "reuse": ("reuse", "rounds")}
+# ratios printed per workload: (numerator, denominator)
+RATIOS = (("hint", "no-hint"), ("hint", "stock"), ("hint-reported", "stock"),
+          ("stock-hint", "stock"))
 
 
 @dataclass
@@ -32,22 +59,45 @@ class MigrateParams:
     fill_mib: int = 700
     dirty_mib: int = 256
     dirty_pace_ms: int = 1000
-    workloads: tuple[str, ...] = ("idle", "dirty")
+    reuse_mib: int = 256
+    verify_mib: int = 512  # reuse: then a verified populate (0: none)
+    workload_s: int = 30
+    workloads: tuple[str, ...] = WORKLOADS
+    variants: tuple[str, ...] = VARIANTS
+    modes: tuple[str, ...] = ("precopy",)
     rounds: int = 5
     max_bandwidth_mib_s: int = 4096
     downtime_limit_ms: int = 300
     auto_converge: bool = True
+    multifd_channels: int = 2
+    postcopy_after_ms: int = 100  # postcopy: switch this long after the start
+    postcopy_bandwidth_mib_s: int = 0  # postcopy: max-postcopy-bandwidth (0: unlimited)
     cpu: str = ""  # QEMU -cpu model for both ends; "" = the runner's default
     timeout_s: int = 180
 
 
-def guest_script(p: MigrateParams, workload: str) -> str:
-    lines = [f"populate --mib {p.fill_mib} --mode 4k --fill 0xa5 --tag fill"]
+def guest_script(p: MigrateParams, workload: str, flush: bool) -> str:
+    # fill_mib 0: a guest that only booted (the source document's idle guest)
+    lines = [f"populate --mib {p.fill_mib} --mode 4k --fill 0xa5 --tag fill"] if p.fill_mib else []
+    if flush:
+        # reporting on: the freed memory is reported (and discarded) first
+        lines.append(guestshell.flush_cmd())
     if workload == "dirty":
-        lines.append(f"dirty --mib {p.dirty_mib} --pace-ms {p.dirty_pace_ms} &")
+        lines.append(f"dirty --mib {p.dirty_mib} --pace-ms {p.dirty_pace_ms} "
+                     f"--seconds {p.workload_s} &")
+    elif workload == "reuse":
+        # then every page of a populate must read zero: a page the guest
+        # took for known zero that came across with data would not
+        verify = (f"; populate --mib {p.verify_mib} --mode 4k --verify --tag verify"
+                  if p.verify_mib else "")
+        lines.append(f"(reuse --mib {p.reuse_mib} --seconds {p.workload_s}{verify}) &")
+    if workload != "idle":
         lines.append("sleep 1")
-    # the heartbeat proves the guest really runs on the destination afterwards
-    lines += [f"echo {EVENT} ready", f"while true; do sleep 1; echo {EVENT} alive; done"]
+    free_kib = "$(awk '/^MemFree:/{print $2}' /proc/meminfo)"
+    lines.append(f"echo {EVENT} ready used_kib=$(({p.mem_mib * 1024} - {free_kib}))")
+    # the heartbeat proves the guest really runs on the destination
+    # afterwards, and says whether it got the memory it hinted back
+    lines.append(f"while true; do sleep 1; echo {EVENT} alive free_kib={free_kib}; done")
     return "\n".join(lines) + "\n"
 
 
@@ -57,51 +107,92 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def capabilities(p: MigrateParams, mode: str) -> list[dict]:
+    caps = [{"capability": "auto-converge", "state": p.auto_converge}]
+    if mode == "postcopy":
+        caps.append({"capability": "postcopy-ram", "state": True})
+        # the destination counts how long its vCPUs waited for pages
+        caps.append({"capability": "postcopy-blocktime", "state": True})
+    if mode == "multifd":
+        caps.append({"capability": "multifd", "state": True})
+    return caps
+
+
+def wait_status(qmp: Qmp, tag: str, done: tuple[str, ...], timeout_s: float,
+                also: object = None) -> dict:
+    """Poll query-migrate until its status is in `done` (or `also(info)`
+    holds); a failed or cancelled migration, or the timeout, is an error."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = qmp.execute("query-migrate")
+        assert isinstance(info, dict)
+        status = info.get("status")
+        if status in done or (also is not None and also(info)):  # type: ignore[operator]
+            return info
+        if status in ("failed", "cancelled"):
+            raise LabError(f"{tag}: migration {status}: {info.get('error-desc', '')}")
+        if time.monotonic() > deadline:
+            qmp.execute("migrate_cancel")
+            raise LabError(f"{tag}: migration did not complete in {timeout_s} s "
+                           f"(last status {status})")
+        time.sleep(0.05)
+
+
 class Migrate(Scenario):
     name = "migrate"
     Params = MigrateParams
     platforms = ("qemu",)
     needs = "two QEMUs and live migration"
 
-    def one(self, ctx: RunContext, params: MigrateParams, workload: str,
+    def migrate(self, p: MigrateParams, tag: str, mode: str, qs: Qmp, qd: Qmp,
+                port: int) -> dict:
+        # the destination waits (-incoming defer) until it has the same
+        # capabilities: multifd must be set before it listens
+        for q in (qs, qd):
+            q.execute("migrate-set-capabilities", capabilities=capabilities(p, mode))
+            if mode == "multifd":
+                q.execute("migrate-set-parameters", **{"multifd-channels": p.multifd_channels})
+        qd.execute("migrate-incoming", uri=f"tcp:127.0.0.1:{port}")
+        qs.execute("migrate-set-parameters",
+                   **{"max-bandwidth": p.max_bandwidth_mib_s * MIB,
+                      "downtime-limit": p.downtime_limit_ms})
+        if mode == "postcopy" and p.postcopy_bandwidth_mib_s:
+            qs.execute("migrate-set-parameters",
+                       **{"max-postcopy-bandwidth": p.postcopy_bandwidth_mib_s * MIB})
+        qs.execute("migrate", uri=f"tcp:127.0.0.1:{port}")
+        if mode == "postcopy":
+            # switch while the first pass runs, hints arriving (a guest may
+            # finish before: then it ran in precopy, and says so)
+            time.sleep(p.postcopy_after_ms / 1000)
+            qs.execute("migrate-start-postcopy")
+        return wait_status(qs, tag, ("completed",), p.timeout_s)
+
+    def one(self, ctx: RunContext, p: MigrateParams, mode: str, workload: str,
             variant: harness.Variant, rnd: int) -> dict:
         """Two guests on top of the harness: the source, and the destination
         it migrates to (-incoming); both end after the migration."""
         harness.runner(ctx, variant)
-        plan = self.plan(params, guest_script(params, workload), f"migrate-{workload}",
-                         cpu=params.cpu or None)
-        ctx.initrd(plan.initrd, plan.script)
+        plan = self.plan(p, guest_script(p, workload, variant.reporting),
+                         f"migrate-{workload}-{'flush' if variant.reporting else 'resident'}",
+                         cpu=p.cpu or None)
         port = free_port()
-        tag = f"migrate-{workload}-{variant.name}-{rnd}"
-        src_qmp, dst_qmp = ctx.run_dir / f"{tag}-src.qmp", ctx.run_dir / f"{tag}-dst.qmp"
+        tag = f"migrate-{mode}-{workload}-{variant.name}-{rnd}"
+        # short names: a socket's path must fit sun_path (108 bytes)
+        self.boots = getattr(self, "boots", 0) + 1
+        src_qmp, dst_qmp = (ctx.run_dir / f"m{self.boots}-src.qmp",
+                            ctx.run_dir / f"m{self.boots}-dst.qmp")
         with harness.start(ctx, variant, f"{tag}-src", plan, qmp_socket=src_qmp) as src, \
                 harness.start(ctx, variant, f"{tag}-dst", plan, qmp_socket=dst_qmp,
-                              incoming=f"tcp:127.0.0.1:{port}") as dst:
+                              incoming="defer") as dst:
             if src is None or dst is None:
                 return {}
-            src.mark("ready")
+            ready = src.mark("ready")
+            used_kib = int(ready.line.text.split("used_kib=")[1].split()[0])
             qs, qd = Qmp(src_qmp), Qmp(dst_qmp)
             try:
-                qs.execute("migrate-set-capabilities", capabilities=[
-                    {"capability": "auto-converge", "state": params.auto_converge}])
-                qs.execute("migrate-set-parameters",
-                           **{"max-bandwidth": params.max_bandwidth_mib_s * MIB,
-                              "downtime-limit": params.downtime_limit_ms})
-                qs.execute("migrate", uri=f"tcp:127.0.0.1:{port}")
-                deadline = time.monotonic() + params.timeout_s
-                while True:
-                    info = qs.execute("query-migrate")
-                    assert isinstance(info, dict)
-                    status = info.get("status")
-                    if status == "completed":
-                        break
-                    if status in ("failed", "cancelled"):
-                        raise LabError(f"{tag}: migration {status}: {info.get('error-desc', '')}")
-                    if time.monotonic() > deadline:
-                        qs.execute("migrate_cancel")
-                        raise LabError(f"{tag}: migration did not complete in "
-                                       f"{params.timeout_s} s (last status {status})")
-                    time.sleep(0.1)
+                info = self.migrate(p, tag, mode, qs, qd, port)
+                dst_info = qd.execute("query-migrate")
+                assert isinstance(dst_info, dict)
                 # the source reports completion before the destination resumes
                 deadline = time.monotonic() + 30
                 while True:
@@ -113,7 +204,27 @@ class Migrate(Scenario):
                         raise LabError(f"{tag}: destination is {state.get('status')}, "
                                        "not running, 30 s after the source completed")
                     time.sleep(0.1)
-                dst.guest.wait_for(rf"^{EVENT} alive$", 30)
+                # the second heartbeat on the destination: a second after the
+                # guest learnt the migration is done, it has its memory back
+                first, _, _ = dst.guest.wait_for(rf"^{EVENT} alive ", 30)
+                _, beat, _ = dst.guest.wait_for(rf"^{EVENT} alive ", 30, first + 1)
+                dst_free_kib = int(beat.text.split("free_kib=")[1].split()[0])
+                rate = None
+                if workload in RATE:
+                    prog, unit = RATE[workload]
+                    dst.guest.wait_for(rf'^{{"prog":"{prog}"', p.workload_s + 60)
+                    rec = dst.booted.records(prog)[-1]
+                    if prog == "reuse" and rec["bad_pages"]:
+                        raise LabError(f"{tag}: reuse read back {rec['bad_pages']} bad pages "
+                                       f"(first: round {rec['first_bad_round']}, page "
+                                       f"{rec['first_bad_page']}, word {rec['first_bad_word']})")
+                    rate = rec[unit] / rec["seconds"]
+                    if prog == "reuse" and p.verify_mib:
+                        dst.guest.wait_for(r'^\{"prog":"populate","tag":"verify"', 120)
+                        check = dst.booted.records("populate")[-1]
+                        if check["nonzero_bytes"]:
+                            raise LabError(f"{tag}: {check['nonzero_bytes']} non-zero bytes in "
+                                           f"{check['mib']} MiB of freshly populated memory")
             finally:
                 qs.close()
                 qd.close()
@@ -127,57 +238,88 @@ class Migrate(Scenario):
             "downtime_ms": info.get("downtime"),
             "setup_time_ms": info.get("setup-time"),
             "transferred_mib": ram.get("transferred", 0) / MIB,
+            "used_mib": used_kib / 1024,
+            "dst_free_mib": dst_free_kib / 1024,
             "normal_pages": ram.get("normal"),
             "zero_pages": ram.get("duplicate"),
             "dirty_sync_count": ram.get("dirty-sync-count"),
+            "postcopy_requests": ram.get("postcopy-requests"),
+            # bytes sent after the switch to postcopy (0: it ran in precopy)
+            "postcopy_mib": ram.get("postcopy-bytes", 0) / MIB,
+            # postcopy: how long the destination's vCPUs waited for pages
+            "postcopy_blocktime_ms": dst_info.get("postcopy-blocktime"),
+            "workload_rate": rate,
         }
 
     def run(self, ctx: RunContext, params: MigrateParams) -> Outcome:
-        variants = harness.pick(self.name, "migrate", VARIANTS)
-        results: dict[str, dict[str, list[dict]]] = {
-            w: {v: [] for v in VARIANTS} for w in params.workloads}
-        failures: dict[str, dict[str, list[str]]] = {
-            w: {v: [] for v in VARIANTS} for w in params.workloads}
+        for what, got, known in (("mode", params.modes, MODES),
+                                 ("workload", params.workloads, WORKLOADS)):
+            bad = [x for x in got if x not in known]
+            if bad or not got:
+                raise LabError(f"migrate: unknown {what} {bad or list(got)}; "
+                               f"choose from {', '.join(known)}")
+        variants = harness.pick(self.name, "migrate", params.variants)
+        names = [v.name for v in variants]
+        cells = [(m, w) for m in params.modes for w in params.workloads]
+        results: dict[tuple[str, str], dict[str, list[dict]]] = {
+            c: {v: [] for v in names} for c in cells}
+        failures: dict[tuple[str, str], dict[str, list[str]]] = {
+            c: {v: [] for v in names} for c in cells}
         for rnd in range(params.rounds):
-            for workload in params.workloads:
+            for mode, workload in cells:
                 for v in harness.order(variants, rnd):
-                    variant = v.name
                     try:
-                        rec = self.one(ctx, params, workload, v, rnd)
+                        rec = self.one(ctx, params, mode, workload, v, rnd)
                     except LabError as exc:
                         # a crashed destination is a result, not a reason to stop
-                        print(f"migrate {workload}/{variant} round {rnd}: FAILED: "
+                        print(f"migrate {mode}/{workload}/{v.name} round {rnd}: FAILED: "
                               f"{str(exc).splitlines()[0]}", flush=True)
-                        failures[workload][variant].append(str(exc).splitlines()[0])
+                        failures[(mode, workload)][v.name].append(str(exc).splitlines()[0])
                         continue
                     if rec:
-                        results[workload][variant].append(rec)
+                        results[(mode, workload)][v.name].append(rec)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
-        data: dict = {"platform": ctx.platform, "params": asdict(params), "workloads": {}}
+        return self.report(ctx, params, names, results, failures)
+
+    def report(self, ctx: RunContext, params: MigrateParams, names: list[str],
+               results: dict, failures: dict) -> Outcome:
+        data: dict = {"platform": ctx.platform, "params": asdict(params), "cells": {}}
         rows: list[list[str]] = []
-        metrics = ("total_time_ms", "downtime_ms", "transferred_mib")
-        for w in params.workloads:
-            entry: dict = {"raw": results[w], "failures": failures[w]}
-            vals = {m: {v: [float(r[m]) for r in results[w][v]] for v in VARIANTS} for m in metrics}
+        metrics = ("total_time_ms", "downtime_ms", "transferred_mib", "used_mib",
+                   "workload_rate")
+        for (mode, w), by_variant in results.items():
+            entry: dict = {"raw": by_variant, "failures": failures[(mode, w)], "ratios": {}}
+            vals = {m: {v: [float(r[m]) for r in by_variant[v] if r.get(m) is not None]
+                        for v in names} for m in metrics}
             for m in metrics:
-                entry[m] = {v: summarise(vals[m][v]).as_dict() for v in VARIANTS if vals[m][v]}
-                if all(vals[m][v] for v in VARIANTS):
-                    entry[m]["ratio_hint_over_no_hint"] = median_ratio(
-                        vals[m]["no-hint"], vals[m]["hint"]).as_dict()
-            data["workloads"][w] = entry
-            for v in VARIANTS:
+                entry[m] = {v: summarise(vals[m][v]).as_dict() for v in names if vals[m][v]}
+            for v in names:
                 cells = [f"{entry[m][v]['median']:.0f} [{entry[m][v]['p25']:.0f}-"
-                         f"{entry[m][v]['p75']:.0f}]" if v in entry[m] else "-" for m in metrics]
-                rows.append([w, v, *cells, f"{len(results[w][v])} ok, "
-                                           f"{len(failures[w][v])} failed"])
-            ratios = [entry[m].get("ratio_hint_over_no_hint") for m in metrics]
-            if all(ratios):
-                rows.append([w, "hint/no-hint", *[fmt_ratio(r)
-                                                   for r in ratios if r], ""])
+                         f"{entry[m][v]['p75']:.0f}]" if v in entry[m] else "-"
+                         for m in metrics[:4]]
+                rate = entry["workload_rate"].get(v)
+                cells.append(f"{rate['median']:.2f}" if rate else "-")
+                rows.append([mode, w, v, *cells, f"{len(by_variant[v])} ok, "
+                                                 f"{len(failures[(mode, w)][v])} failed"])
+            for a, b in RATIOS:
+                if a not in names or b not in names:
+                    continue
+                ratios = {m: median_ratio(vals[m][b], vals[m][a]).as_dict()
+                          for m in metrics if vals[m][a] and vals[m][b]}
+                if not ratios:
+                    continue
+                entry["ratios"][f"{a}/{b}"] = ratios
+                rows.append([mode, w, f"{a}/{b}",
+                             *[fmt_ratio(ratios[m]) if m in ratios else "" for m in metrics[:3]],
+                             "", fmt_ratio(ratios["workload_rate"])
+                             if "workload_rate" in ratios else "", ""])
+            data["cells"][f"{mode}/{w}"] = entry
         text = (f"migrate ({ctx.platform}, guest {params.mem_mib} MiB, {params.fill_mib} MiB "
-                "filled then freed, loopback; median [p25-p75])\n"
-                + table(["workload", "variant", "total ms", "downtime ms", "transferred MiB", "runs"],
-                        rows))
+                f"filled then freed, loopback, downtime-limit {params.downtime_limit_ms} ms; "
+                "median [p25-p75]; used = RAM - MemFree; rate = the workload's passes or "
+                "rounds per second)\n"
+                + table(["mode", "workload", "variant", "total ms", "downtime ms",
+                         "sent MiB", "used MiB", "rate/s", "runs"], rows))
         ctx.save("migrate", data)
         return Outcome(self.name, data, text)

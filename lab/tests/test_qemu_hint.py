@@ -1,0 +1,183 @@
+"""Free page hinting keeps what the guest writes, in precopy, postcopy and multifd.
+
+The series' guest on the patched QEMU with free page hinting, free page
+reporting and the device's zeroing at once fills 700 MiB, frees it (the
+freed memory is reported and discarded), then runs `reuse` through the
+migration: it allocates, stamps, reads back and frees 256 MiB over and
+over, so it keeps reusing pages the guest has just hinted (the balloon
+gives them back under that pressure).  Every stamp must read back on the
+destination, then a 512 MiB populate there must read zeroes only (a page
+taken for known zero that came across with data would not), no kernel
+may warn, and the destination guest must get the memory it hinted back.
+
+Postcopy: QEMU used to turn hinting off with postcopy-ram, because a
+destination that faults on a page the source skipped asked for it in
+vain and its faulting thread stalled until postcopy ended.  The patched
+source sends a skipped page when the destination asks for it.  Above,
+`reuse` mostly recycles pages the source has sent; so a second test
+switches to postcopy at once (with postcopy-preempt, so that the pages
+asked for do not queue behind the background stream), slows postcopy's
+background stream to 4 MiB/s, and then has
+the destination's guest fault in 128 MiB of the memory it freed and
+reported before the migration (skipped: never sent): that must finish
+while the migration is still in postcopy.
+
+Memory the guest reported (discarded on the host) and did not touch since
+is neither read nor sent to the destination, whose RAM starts zero: with
+reporting and no hinting, the migration sends no zero page for it.
+
+An idle hinted guest stops only for what it dirtied after the first pass:
+with a downtime limit of 2 s, QEMU used to switch over as soon as the
+hints made what it had not sent yet look small, and sent the rest of the
+first pass (the guest's used memory) with the guest stopped.  And it sends
+little more than its used memory.
+
+Baseline, expected to fail (FREEPAGE_HINT_BASELINE=...):
+* `no-first-pass`: the patched QEMU with qemu/bench/hint-no-first-pass.patch,
+  which switches over in the middle of the first pass (idle: the downtime
+  is the rest of the first pass);
+* `no-skip-unpopulated`: the patched QEMU with
+  qemu/bench/no-skip-unpopulated.patch, which reads and sends RAM the guest
+  never wrote or had discarded (reported memory: hundreds of thousands of
+  zero pages sent);
+* `no-unskip`: the patched QEMU with qemu/bench/hint-no-unskip.patch, whose
+  source ignores a postcopy destination's request for a skipped page
+  (the guest's populate waits until postcopy has ended).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from freepage_lab import guestshell, harness, kernel
+from freepage_lab.initramfs import EVENT
+from freepage_lab.runners import Qmp
+from freepage_lab.scenarios.migrate import Migrate, MigrateParams, capabilities, free_port, wait_status
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not kernel.Series.load().names, reason="kernel series is empty"),
+]
+
+BASELINE = os.environ.get("FREEPAGE_HINT_BASELINE", "")
+BASELINE_PATCHES = {"no-first-pass": "hint-no-first-pass.patch",
+                    "no-unskip": "hint-no-unskip.patch",
+                    "no-skip-unpopulated": "no-skip-unpopulated.patch"}
+# an idle guest dirties a few hundred pages after its first pass: sending
+# them takes milliseconds; its used memory (~140 MiB) takes hundreds
+IDLE_DOWNTIME_MS = 200
+MIB = 1 << 20
+# the idle guest may send this much more than its used memory: page tables
+# and free blocks below the hint's 4 MiB
+USED_SLACK = 1.15
+
+
+def context(lab):
+    return lab.context("qemu", patched=True,
+                       qemu_extra_patches=(BASELINE_PATCHES[BASELINE],) if BASELINE else ())
+
+
+@pytest.mark.parametrize("mode", ["precopy", "postcopy", "multifd"])
+def test_pages_reused_after_a_hint_arrive_with_what_the_guest_wrote(lab, mode) -> None:
+    params = MigrateParams(rounds=1, workloads=("reuse",), modes=(mode,), workload_s=20,
+                           postcopy_after_ms=50, timeout_s=120)
+    rec = Migrate().one(context(lab), params, mode, "reuse",
+                        harness.family("migrate")["hint-reported"], 0)
+    print(rec)
+    assert rec["workload_rate"], "reuse did not report"
+    if mode == "postcopy":
+        assert rec["postcopy_mib"], "the migration completed before it switched to postcopy"
+        assert rec["postcopy_requests"], "the postcopy destination asked for no page"
+    # the guest holds hinted memory until the migration is done, then frees it
+    assert rec["dst_free_mib"] > 400, \
+        f"the destination guest has {rec['dst_free_mib']:.0f} MiB free: it kept what it hinted"
+
+
+def test_an_idle_hinted_guest_sends_little_more_than_its_used_memory(lab) -> None:
+    params = MigrateParams(rounds=1, workloads=("idle",), timeout_s=120)
+    rec = Migrate().one(context(lab), params, "precopy", "idle",
+                        harness.family("migrate")["hint"], 0)
+    print(rec)
+    assert rec["transferred_mib"] <= USED_SLACK * rec["used_mib"], \
+        (f"sent {rec['transferred_mib']:.0f} MiB for {rec['used_mib']:.0f} MiB used: "
+         "free memory the guest hinted was sent")
+
+
+def test_an_idle_hinted_guest_stops_only_for_what_it_dirtied(lab) -> None:
+    params = MigrateParams(rounds=1, workloads=("idle",), downtime_limit_ms=2000,
+                           timeout_s=120)
+    rec = Migrate().one(context(lab), params, "precopy", "idle",
+                        harness.family("migrate")["hint"], 0)
+    print(rec)
+    assert rec["downtime_ms"] < IDLE_DOWNTIME_MS, \
+        (f"downtime {rec['downtime_ms']} ms for an idle guest: the switchover sent what the "
+         f"first pass had not ({rec['transferred_mib']:.0f} MiB sent in all)")
+
+
+def test_a_postcopy_destination_gets_the_pages_the_source_skipped(lab) -> None:
+    ctx = context(lab)
+    variant = harness.family("migrate")["hint-reported"]
+    script = "\n".join([
+        "populate --mib 700 --mode 4k --fill 0xa5 --tag fill",
+        guestshell.flush_cmd(),
+        f"echo {EVENT} ready",
+        "read go",
+        "populate --mib 128 --mode 4k --fill 0x5a --tag after",
+        f"echo {EVENT} populated",
+        "while true; do sleep 1; done",
+    ]) + "\n"
+    params = MigrateParams(modes=("postcopy",))
+    port = free_port()
+    boot = dict(initrd="hint-postcopy", mem_mib=1024, interactive=True, timeout_s=300)
+    src_qmp, dst_qmp = lab.tmp_path / "src.qmp", lab.tmp_path / "dst.qmp"
+    with lab.start(ctx, "src", script, variant, **boot,
+                   overrides=dict(qmp_socket=src_qmp)) as src, \
+            lab.start(ctx, "dst", script, variant, **boot,
+                      overrides=dict(qmp_socket=dst_qmp, incoming="defer")) as dst:
+        src.guest.wait_for(rf"^{EVENT} ready", 240)
+        qs, qd = Qmp(src_qmp), Qmp(dst_qmp)
+        try:
+            # preempt: the pages the destination asks for go on their own
+            # channel, not behind the slowed background stream
+            caps = [*capabilities(params, "postcopy"),
+                    {"capability": "postcopy-preempt", "state": True}]
+            for q in (qs, qd):
+                q.execute("migrate-set-capabilities", capabilities=caps)
+            qd.execute("migrate-incoming", uri=f"tcp:127.0.0.1:{port}")
+            qs.execute("migrate-set-parameters", **{"max-postcopy-bandwidth": 4 << 20})
+            qs.execute("migrate", uri=f"tcp:127.0.0.1:{port}")
+            qs.execute("migrate-start-postcopy")
+            wait_status(qs, "postcopy", ("postcopy-active", "completed"), 120)
+            dst.guest.send("go")
+            t0 = time.monotonic()
+            dst.guest.wait_for(rf"^{EVENT} populated", 90)
+            took = time.monotonic() - t0
+            status = qs.execute("query-migrate")
+            assert isinstance(status, dict)
+            info = wait_status(qs, "postcopy", ("completed",), 240)
+        finally:
+            qs.close()
+            qd.close()
+        warnings = harness.kernel_warnings(dst.booted.lines)
+    ram = info.get("ram", {})
+    print(f"populate took {took:.1f} s, migration {status.get('status')} then; "
+          f"{ram.get('postcopy-requests')} requests, {ram.get('postcopy-bytes', 0) >> 20} MiB "
+          f"in postcopy, {info.get('total-time')} ms in all")
+    assert not warnings, warnings
+    assert status.get("status") == "postcopy-active", \
+        (f"the destination's guest faulted in 128 MiB of skipped pages in {took:.1f} s, only "
+         f"once postcopy had ended: the source did not send the pages it asked for")
+
+
+def test_reported_memory_is_neither_read_nor_sent(lab) -> None:
+    params = MigrateParams(rounds=1, workloads=("idle",), timeout_s=120)
+    rec = Migrate().one(context(lab), params, "precopy", "idle",
+                        harness.family("migrate")["reported"], 0)
+    print(rec)
+    reported_pages = params.fill_mib * (MIB // 4096)
+    assert rec["zero_pages"] < reported_pages // 10, \
+        (f"{rec['zero_pages']} zero pages sent after {reported_pages} pages were reported: "
+         "the source read the memory it had discarded and sent it")
