@@ -111,6 +111,19 @@ def test_prezero_series_does_not_repair_its_own_patches():
             added.setdefault(path, set()).update(plus)
 
 
+@pytest.mark.parametrize("name", SERIES)
+def test_no_series_puts_assembly_in_mm(name):
+    """Instructions are an architecture's business: mm/ calls a hook
+    (clear_page_nocache() for non-temporal clearing) that x86 implements
+    and every other architecture falls back from to clear_page()."""
+    for patch in kernel.Series.load(kernel.QUEUES[name].patch_dir).files:
+        for path, (plus, _) in added_and_removed(patch).items():
+            if not path.startswith("mm/"):
+                continue
+            asm = [ln for ln in plus if re.search(r"\basm\b|__asm__|\bmovnti\b", ln)]
+            assert not asm, f"{patch.name} adds assembly to {path}: {asm}"
+
+
 def test_build_each_applies_every_patch_in_order_and_builds_each_prefix(capsys):
     res = prefixbuild.build_each(Shell(dry_run=True), kernel.queue_for("x86_64"),
                                  ("um", "x86_64"), with_kunit=True)
