@@ -26,6 +26,10 @@ Memory the guest reported (discarded on the host) and did not touch since
 is neither read nor sent to the destination, whose RAM starts zero: with
 reporting and no hinting, the migration sends no zero page for it.
 
+With postcopy-ram on, an idle hinted guest still sends little more than
+its used memory: stock QEMU does not hint then, and sends the freed
+memory.
+
 An idle hinted guest stops only for what it dirtied after the first pass:
 with a downtime limit of 2 s, QEMU used to switch over as soon as the
 hints made what it had not sent yet look small, and sent the rest of the
@@ -40,6 +44,10 @@ Baseline, expected to fail (FREEPAGE_HINT_BASELINE=...):
   qemu/bench/no-skip-unpopulated.patch, which reads and sends RAM the guest
   never wrote or had discarded (reported memory: hundreds of thousands of
   zero pages sent);
+* `off-with-postcopy`: the patched QEMU with
+  qemu/bench/hint-off-with-postcopy.patch, whose balloon does not hint
+  when postcopy-ram is on, as stock QEMU (postcopy: the freed memory is
+  sent);
 * `no-unskip`: the patched QEMU with qemu/bench/hint-no-unskip.patch, whose
   source ignores a postcopy destination's request for a skipped page
   (the guest's populate waits until postcopy has ended).
@@ -65,7 +73,8 @@ pytestmark = [
 BASELINE = os.environ.get("FREEPAGE_HINT_BASELINE", "")
 BASELINE_PATCHES = {"no-first-pass": "hint-no-first-pass.patch",
                     "no-unskip": "hint-no-unskip.patch",
-                    "no-skip-unpopulated": "no-skip-unpopulated.patch"}
+                    "no-skip-unpopulated": "no-skip-unpopulated.patch",
+                    "off-with-postcopy": "hint-off-with-postcopy.patch"}
 # an idle guest dirties a few hundred pages after its first pass: sending
 # them takes milliseconds; its used memory (~140 MiB) takes hundreds
 IDLE_DOWNTIME_MS = 200
@@ -181,3 +190,13 @@ def test_reported_memory_is_neither_read_nor_sent(lab) -> None:
     assert rec["zero_pages"] < reported_pages // 10, \
         (f"{rec['zero_pages']} zero pages sent after {reported_pages} pages were reported: "
          "the source read the memory it had discarded and sent it")
+
+
+def test_hinting_skips_free_memory_with_postcopy_on(lab) -> None:
+    params = MigrateParams(rounds=1, workloads=("idle",), modes=("postcopy",), timeout_s=120)
+    rec = Migrate().one(context(lab), params, "postcopy", "idle",
+                        harness.family("migrate")["hint"], 0)
+    print(rec)
+    assert rec["transferred_mib"] <= USED_SLACK * rec["used_mib"], \
+        (f"sent {rec['transferred_mib']:.0f} MiB for {rec['used_mib']:.0f} MiB used with "
+         "postcopy-ram on: the guest's free memory was not hinted")
