@@ -89,13 +89,18 @@ def context(lab):
                        qemu_extra_patches=(BASELINE_PATCHES[BASELINE],) if BASELINE else ())
 
 
+def migrate(lab, variant: str, mode: str, workload: str, **params: object) -> dict:
+    """One migration of the migrate scenario (`params`: MigrateParams fields)."""
+    p = MigrateParams(**{"rounds": 1, "workloads": (workload,), "modes": (mode,),
+                         "timeout_s": 120, **params})
+    rec = Migrate().one(context(lab), p, mode, workload, harness.family("migrate")[variant], 0)
+    print(rec)
+    return rec
+
+
 @pytest.mark.parametrize("mode", ["precopy", "postcopy", "multifd"])
 def test_pages_reused_after_a_hint_arrive_with_what_the_guest_wrote(lab, mode) -> None:
-    params = MigrateParams(rounds=1, workloads=("reuse",), modes=(mode,), workload_s=20,
-                           postcopy_after_ms=50, timeout_s=120)
-    rec = Migrate().one(context(lab), params, mode, "reuse",
-                        harness.family("migrate")["hint-reported"], 0)
-    print(rec)
+    rec = migrate(lab, "hint-reported", mode, "reuse", workload_s=20, postcopy_after_ms=50)
     assert rec["workload_rate"], "reuse did not report"
     if mode == "postcopy":
         assert rec["postcopy_mib"], "the migration completed before it switched to postcopy"
@@ -106,21 +111,14 @@ def test_pages_reused_after_a_hint_arrive_with_what_the_guest_wrote(lab, mode) -
 
 
 def test_an_idle_hinted_guest_sends_little_more_than_its_used_memory(lab) -> None:
-    params = MigrateParams(rounds=1, workloads=("idle",), timeout_s=120)
-    rec = Migrate().one(context(lab), params, "precopy", "idle",
-                        harness.family("migrate")["hint"], 0)
-    print(rec)
+    rec = migrate(lab, "hint", "precopy", "idle")
     assert rec["transferred_mib"] <= USED_SLACK * rec["used_mib"], \
         (f"sent {rec['transferred_mib']:.0f} MiB for {rec['used_mib']:.0f} MiB used: "
          "free memory the guest hinted was sent")
 
 
 def test_an_idle_hinted_guest_stops_only_for_what_it_dirtied(lab) -> None:
-    params = MigrateParams(rounds=1, workloads=("idle",), downtime_limit_ms=2000,
-                           timeout_s=120)
-    rec = Migrate().one(context(lab), params, "precopy", "idle",
-                        harness.family("migrate")["hint"], 0)
-    print(rec)
+    rec = migrate(lab, "hint", "precopy", "idle", downtime_limit_ms=2000)
     assert rec["downtime_ms"] < IDLE_DOWNTIME_MS, \
         (f"downtime {rec['downtime_ms']} ms for an idle guest: the switchover sent what the "
          f"first pass had not ({rec['transferred_mib']:.0f} MiB sent in all)")
@@ -182,21 +180,15 @@ def test_a_postcopy_destination_gets_the_pages_the_source_skipped(lab) -> None:
 
 
 def test_reported_memory_is_neither_read_nor_sent(lab) -> None:
-    params = MigrateParams(rounds=1, workloads=("idle",), timeout_s=120)
-    rec = Migrate().one(context(lab), params, "precopy", "idle",
-                        harness.family("migrate")["reported"], 0)
-    print(rec)
-    reported_pages = params.fill_mib * (MIB // 4096)
+    rec = migrate(lab, "reported", "precopy", "idle")
+    reported_pages = MigrateParams().fill_mib * (MIB // 4096)
     assert rec["zero_pages"] < reported_pages // 10, \
         (f"{rec['zero_pages']} zero pages sent after {reported_pages} pages were reported: "
          "the source read the memory it had discarded and sent it")
 
 
 def test_hinting_skips_free_memory_with_postcopy_on(lab) -> None:
-    params = MigrateParams(rounds=1, workloads=("idle",), modes=("postcopy",), timeout_s=120)
-    rec = Migrate().one(context(lab), params, "postcopy", "idle",
-                        harness.family("migrate")["hint"], 0)
-    print(rec)
+    rec = migrate(lab, "hint", "postcopy", "idle")
     assert rec["transferred_mib"] <= USED_SLACK * rec["used_mib"], \
         (f"sent {rec['transferred_mib']:.0f} MiB for {rec['used_mib']:.0f} MiB used with "
          "postcopy-ram on: the guest's free memory was not hinted")
