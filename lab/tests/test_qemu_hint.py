@@ -30,6 +30,13 @@ With postcopy-ram on, an idle hinted guest still sends little more than
 its used memory: stock QEMU does not hint then, and sends the freed
 memory.
 
+A free page hint is applied as the guest sends it: the source traces
+every hint it applies (ram_free_page_hint), with how many pages the
+migration sent while the hint waited for the bitmap.  A RAM pass used to
+hold the bitmap for a whole iteration (up to 50 ms): the first hint of an
+idle guest waited while the pass sent thousands of pages, and the hints
+queued behind it.  Now no hint waits for more than the page being sent.
+
 An idle hinted guest stops only for what it dirtied after the first pass:
 with a downtime limit of 2 s, QEMU used to switch over as soon as the
 hints made what it had not sent yet look small, and sent the rest of the
@@ -51,11 +58,15 @@ Baseline, expected to fail (FREEPAGE_HINT_BASELINE=...):
 * `no-unskip`: the patched QEMU with qemu/bench/hint-no-unskip.patch, whose
   source ignores a postcopy destination's request for a skipped page
   (the guest's populate waits until postcopy has ended).
+* `no-yield`: the patched QEMU with qemu/bench/hint-no-yield.patch, whose
+  RAM pass holds the bitmap for its whole iteration again (the first hint
+  waits while the pass sends thousands of pages).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -74,7 +85,8 @@ BASELINE = os.environ.get("FREEPAGE_HINT_BASELINE", "")
 BASELINE_PATCHES = {"no-first-pass": "hint-no-first-pass.patch",
                     "no-unskip": "hint-no-unskip.patch",
                     "no-skip-unpopulated": "no-skip-unpopulated.patch",
-                    "off-with-postcopy": "hint-off-with-postcopy.patch"}
+                    "off-with-postcopy": "hint-off-with-postcopy.patch",
+                    "no-yield": "hint-no-yield.patch"}
 # an idle guest dirties a few hundred pages after its first pass: sending
 # them takes milliseconds; its used memory (~140 MiB) takes hundreds
 IDLE_DOWNTIME_MS = 200
@@ -82,6 +94,14 @@ MIB = 1 << 20
 # the idle guest may send this much more than its used memory: page tables
 # and free blocks below the hint's 4 MiB
 USED_SLACK = 1.15
+# the source's trace of every free page hint it applied (qemu/free-page-hint)
+HINT_TRACE = "ram_free_page_hint"
+HINT_WAITED = re.compile(rf"{HINT_TRACE} .* waited for bitmap_mutex (\d+) us "
+                         r"while (\d+) pages were sent")
+SYNC_TRACE = "migration_bitmap_sync_start"
+# a hint waits for the page the RAM pass is sending, not for the pass's
+# iteration (up to 50 ms, thousands of pages)
+HINT_WAIT_PAGES = 16
 
 
 def context(lab):
@@ -89,11 +109,14 @@ def context(lab):
                        qemu_extra_patches=(BASELINE_PATCHES[BASELINE],) if BASELINE else ())
 
 
-def migrate(lab, variant: str, mode: str, workload: str, **params: object) -> dict:
-    """One migration of the migrate scenario (`params`: MigrateParams fields)."""
+def migrate(lab, variant: str, mode: str, workload: str, source_args: tuple[str, ...] = (),
+            **params: object) -> dict:
+    """One migration of the migrate scenario (`params`: MigrateParams fields;
+    `source_args`: more QEMU arguments for the source)."""
     p = MigrateParams(**{"rounds": 1, "workloads": (workload,), "modes": (mode,),
                          "timeout_s": 120, **params})
-    rec = Migrate().one(context(lab), p, mode, workload, harness.family("migrate")[variant], 0)
+    rec = Migrate().one(context(lab), p, mode, workload, harness.family("migrate")[variant], 0,
+                        source_args)
     print(rec)
     return rec
 
@@ -115,6 +138,26 @@ def test_an_idle_hinted_guest_sends_little_more_than_its_used_memory(lab) -> Non
     assert rec["transferred_mib"] <= USED_SLACK * rec["used_mib"], \
         (f"sent {rec['transferred_mib']:.0f} MiB for {rec['used_mib']:.0f} MiB used: "
          "free memory the guest hinted was sent")
+
+
+def test_free_page_hints_do_not_wait_for_a_ram_pass(lab) -> None:
+    log = lab.tmp_path / "src-trace.log"
+    rec = migrate(lab, "hint", "precopy", "idle",
+                  source_args=("-trace", HINT_TRACE, "-trace", SYNC_TRACE, "-D", str(log)))
+    trace = log.read_text()
+    # (waited us, pages sent meanwhile) of every hint
+    hints = [(int(m[1]), int(m[2])) for m in HINT_WAITED.finditer(trace)]
+    # the first sync is the setup's, the second ends the first pass
+    syncs = trace.split(SYNC_TRACE)
+    during = len(HINT_WAITED.findall(syncs[1])) if len(syncs) > 1 else 0
+    waited_us, sent = max(hints, default=(0, 0), key=lambda h: h[1])
+    print(f"{len(hints)} hints, {during} during the first pass; the one that waited for "
+          f"the most pages: {waited_us / 1000:.1f} ms, {sent} pages sent meanwhile")
+    assert during, f"no {HINT_TRACE} during the first pass in {log}: nothing was tested"
+    assert sent <= HINT_WAIT_PAGES, \
+        (f"a free page hint waited {waited_us / 1000:.0f} ms for the bitmap while the RAM "
+         f"pass sent {sent} pages ({rec['transferred_mib']:.0f} MiB sent in all for "
+         f"{rec['used_mib']:.0f} MiB used)")
 
 
 def test_an_idle_hinted_guest_stops_only_for_what_it_dirtied(lab) -> None:

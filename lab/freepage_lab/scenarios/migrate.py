@@ -168,9 +168,10 @@ class Migrate(Scenario):
         return wait_status(qs, tag, ("completed",), p.timeout_s)
 
     def one(self, ctx: RunContext, p: MigrateParams, mode: str, workload: str,
-            variant: harness.Variant, rnd: int) -> dict:
+            variant: harness.Variant, rnd: int, source_args: tuple[str, ...] = ()) -> dict:
         """Two guests on top of the harness: the source, and the destination
-        it migrates to (-incoming); both end after the migration."""
+        it migrates to (-incoming); both end after the migration.
+        `source_args`: more QEMU arguments for the source (-trace, -D)."""
         harness.runner(ctx, variant)
         plan = self.plan(p, guest_script(p, workload, variant.reporting),
                          f"migrate-{workload}-{'flush' if variant.reporting else 'resident'}",
@@ -181,7 +182,8 @@ class Migrate(Scenario):
         self.boots = getattr(self, "boots", 0) + 1
         src_qmp, dst_qmp = (ctx.run_dir / f"m{self.boots}-src.qmp",
                             ctx.run_dir / f"m{self.boots}-dst.qmp")
-        with harness.start(ctx, variant, f"{tag}-src", plan, qmp_socket=src_qmp) as src, \
+        with harness.start(ctx, variant, f"{tag}-src", plan, qmp_socket=src_qmp,
+                           extra_args=[*plan.extra_args, *source_args]) as src, \
                 harness.start(ctx, variant, f"{tag}-dst", plan, qmp_socket=dst_qmp,
                               incoming="defer") as dst:
             if src is None or dst is None:
