@@ -187,12 +187,13 @@ COVER = "0000-cover-letter.patch"
 
 
 def cover_text(cover: str) -> tuple[str, str] | None:
-    """The subject (without the [PATCH n/m] tag) and the text of a cover letter."""
-    subject = re.search(r"^Subject: \[PATCH[^\]]*\] (.*)$", cover, re.M)
+    """The subject (without the [PATCH n/m] tag, its folded lines joined) and
+    the text of a cover letter."""
+    subject = re.search(r"^Subject: \[PATCH[^\]]*\] (.*(?:\n[ \t].*)*)$", cover, re.M)
     body = re.search(r"\n\n(.*?)\n\S[^\n]* \(\d+\):\n", cover, re.S)
     if not subject or not body:
         return None
-    return subject.group(1), body.group(1).rstrip("\n")
+    return re.sub(r"\n[ \t]+", " ", subject.group(1)), body.group(1).rstrip("\n")
 
 
 def carry_cover(old: str, new: str) -> str:

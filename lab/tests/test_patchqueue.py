@@ -162,3 +162,12 @@ def test_export_carries_the_cover_letter_text() -> None:
     assert "***" not in out
     # nothing to carry: the fresh letter stays as git wrote it
     assert patchqueue.carry_cover("garbage", new) == new
+
+
+def test_export_carries_a_folded_subject_whole() -> None:
+    old = ("From 1 Mon Sep 17 00:00:00 2001\nSubject: [PATCH 0/5] migration: a long title,\n"
+           " folded\n\nText.\n\nfreepage (5):\n  mm: one\n")
+    new = ("From 2 Mon Sep 17 00:00:00 2001\nSubject: [PATCH 0/5] *** SUBJECT HERE ***\n\n"
+           "*** BLURB HERE ***\n\nfreepage (5):\n  mm: one\n")
+    out = patchqueue.carry_cover(old, new)
+    assert "Subject: [PATCH 0/5] migration: a long title, folded\n\nText.\n\n" in out
