@@ -37,6 +37,9 @@ class GuestConfig:
     # vhost-user-balloon daemon's socket: UML's virtio_uml device; under QEMU
     # vhost-user-balloon-pci in place of virtio-balloon, RAM in a shared memfd
     vhost_user_balloon: Path | None = None
+    # QEMU: guest RAM in a shared memfd (memory-backend-memfd,share=on), as
+    # vhost-user backends need; always so with vhost_user_balloon
+    shared_memfd: bool = False
     qmp_socket: Path | None = None
     incoming: str | None = None
     cpu: str | None = None  # QEMU -cpu model; default max (TCG) / host (KVM)
@@ -168,8 +171,9 @@ class QemuRunner(Runner):
         append = " ".join(["console=ttyS0", "panic=-1", "fp.halt=reboot", "quiet",
                            "loglevel=4", *cfg.cmdline])
         machine = f"pc,accel={self.accel}"
-        if cfg.vhost_user_balloon is not None:
-            # the daemon maps guest RAM: it must be a shared file
+        # a vhost-user daemon maps guest RAM: it must be a shared file
+        shared_memfd = cfg.shared_memfd or cfg.vhost_user_balloon is not None
+        if shared_memfd:
             machine += ",memory-backend=mem"
         argv = [str(self.binary), "-machine", machine,
                 "-cpu", cfg.cpu or ("max" if self.accel == "tcg" else "host"), "-smp", str(cfg.smp),
@@ -179,6 +183,8 @@ class QemuRunner(Runner):
         if self.binary != STOCK_QEMU:
             for d in QEMU_FIRMWARE_DIRS:
                 argv += ["-L", str(d)]
+        if shared_memfd:
+            argv += ["-object", f"memory-backend-memfd,id=mem,size={cfg.mem_mib}M,share=on"]
         if cfg.vhost_user_balloon is not None:
             argv += self.vhost_user_balloon_args(cfg)
         elif cfg.balloon:
@@ -198,8 +204,7 @@ class QemuRunner(Runner):
     def vhost_user_balloon_args(cfg: GuestConfig) -> list[str]:
         """vhost-user-balloon-pci (qemu/device-init): the balloon's front-end for a
         vhost-user backend (virtio id 5, its queues and config fixed by QEMU)."""
-        return ["-object", f"memory-backend-memfd,id=mem,size={cfg.mem_mib}M,share=on",
-                "-chardev", f"socket,id=vub,path={cfg.vhost_user_balloon}",
+        return ["-chardev", f"socket,id=vub,path={cfg.vhost_user_balloon}",
                 "-device", VHOST_USER_DEVICE.format(chardev="vub")]
 
     def footprint_bytes(self, guest: Guest) -> int | None:

@@ -8,7 +8,8 @@ over, so it keeps reusing pages the guest has just hinted (the balloon
 gives them back under that pressure).  Every stamp must read back on the
 destination, then a 512 MiB populate there must read zeroes only (a page
 taken for known zero that came across with data would not), no kernel
-may warn, and the destination guest must get the memory it hinted back.
+may warn, and the destination guest must get the memory it hinted back;
+in precopy also with guest RAM in a shared memfd.
 
 Postcopy: QEMU used to turn hinting off with postcopy-ram, because a
 destination that faults on a page the source skipped asked for it in
@@ -24,7 +25,9 @@ while the migration is still in postcopy.
 
 Memory the guest reported (discarded on the host) and did not touch since
 is neither read nor sent to the destination, whose RAM starts zero: with
-reporting and no hinting, the migration sends no zero page for it.
+reporting and no hinting, the migration sends no zero page for it; with
+guest RAM in private anonymous memory and in a shared memfd (as for
+vhost-user), whose discarded pages are holes of the file.
 
 With postcopy-ram on, an idle hinted guest still sends little more than
 its used memory: stock QEMU does not hint then, and sends the freed
@@ -121,9 +124,14 @@ def migrate(lab, variant: str, mode: str, workload: str, source_args: tuple[str,
     return rec
 
 
-@pytest.mark.parametrize("mode", ["precopy", "postcopy", "multifd"])
-def test_pages_reused_after_a_hint_arrive_with_what_the_guest_wrote(lab, mode) -> None:
-    rec = migrate(lab, "hint-reported", mode, "reuse", workload_s=20, postcopy_after_ms=50)
+@pytest.mark.parametrize("mode, shared_memfd",
+                         [("precopy", False), ("postcopy", False), ("multifd", False),
+                          ("precopy", True)],
+                         ids=["precopy", "postcopy", "multifd", "precopy-memfd"])
+def test_pages_reused_after_a_hint_arrive_with_what_the_guest_wrote(lab, mode,
+                                                                     shared_memfd) -> None:
+    rec = migrate(lab, "hint-reported", mode, "reuse", workload_s=20, postcopy_after_ms=50,
+                  shared_memfd=shared_memfd)
     assert rec["workload_rate"], "reuse did not report"
     if mode == "postcopy":
         assert rec["postcopy_mib"], "the migration completed before it switched to postcopy"
@@ -222,8 +230,9 @@ def test_a_postcopy_destination_gets_the_pages_the_source_skipped(lab) -> None:
          f"once postcopy had ended: the source did not send the pages it asked for")
 
 
-def test_reported_memory_is_neither_read_nor_sent(lab) -> None:
-    rec = migrate(lab, "reported", "precopy", "idle")
+@pytest.mark.parametrize("shared_memfd", [False, True], ids=["anonymous", "memfd"])
+def test_reported_memory_is_neither_read_nor_sent(lab, shared_memfd) -> None:
+    rec = migrate(lab, "reported", "precopy", "idle", shared_memfd=shared_memfd)
     reported_pages = MigrateParams().fill_mib * (MIB // 4096)
     assert rec["zero_pages"] < reported_pages // 10, \
         (f"{rec['zero_pages']} zero pages sent after {reported_pages} pages were reported: "

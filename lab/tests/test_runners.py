@@ -80,3 +80,10 @@ def test_qemu_vhost_user_balloon_replaces_virtio_balloon_and_shares_ram():
     assert "memory-backend-memfd,id=mem,size=1024M,share=on" in argv
     assert "socket,id=vub,path=/run/b.sock" in argv
     assert argv[argv.index("-device") + 1] == "vhost-user-balloon-pci,chardev=vub"
+
+
+def test_qemu_shared_memfd_ram_keeps_the_virtio_balloon():
+    argv = QemuRunner(Shell(), accel="tcg").argv(cfg(mem_mib=1024, shared_memfd=True))
+    assert argv[argv.index("-machine") + 1] == "pc,accel=tcg,memory-backend=mem"
+    assert "memory-backend-memfd,id=mem,size=1024M,share=on" in argv
+    assert argv[argv.index("-device") + 1].startswith("virtio-balloon-pci,")

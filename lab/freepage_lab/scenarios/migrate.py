@@ -23,6 +23,10 @@ workload's throughput.
 Modes: "precopy"; "postcopy" (postcopy-ram on both ends, switched to after
 the first pass); "multifd" (multifd_channels channels).
 
+RAM: private anonymous memory (QEMU's default), or with shared_memfd a
+shared memfd on both ends (memory-backend-memfd,share=on), as a vhost-user
+backend needs.
+
 Used memory: the guest's RAM minus MemFree when the guest says "ready"
 (after the free, with the workload running): what a migration that sent
 only used memory would send.
@@ -73,6 +77,7 @@ class MigrateParams:
     postcopy_after_ms: int = 100  # postcopy: switch this long after the start
     postcopy_bandwidth_mib_s: int = 0  # postcopy: max-postcopy-bandwidth (0: unlimited)
     cpu: str = ""  # QEMU -cpu model for both ends; "" = the runner's default
+    shared_memfd: bool = False  # guest RAM in a shared memfd, as vhost-user needs
     timeout_s: int = 180
 
 
@@ -183,9 +188,10 @@ class Migrate(Scenario):
         src_qmp, dst_qmp = (ctx.run_dir / f"m{self.boots}-src.qmp",
                             ctx.run_dir / f"m{self.boots}-dst.qmp")
         with harness.start(ctx, variant, f"{tag}-src", plan, qmp_socket=src_qmp,
+                           shared_memfd=p.shared_memfd,
                            extra_args=[*plan.extra_args, *source_args]) as src, \
                 harness.start(ctx, variant, f"{tag}-dst", plan, qmp_socket=dst_qmp,
-                              incoming="defer") as dst:
+                              shared_memfd=p.shared_memfd, incoming="defer") as dst:
             if src is None or dst is None:
                 return {}
             ready = src.mark("ready")
