@@ -48,51 +48,29 @@ struct line {
 	unsigned long pad[LINE / sizeof(unsigned long) - 1];
 };
 
-static int usage(const char *why)
-{
-	fprintf(stderr, "cachewalk: %s\n"
-		"usage: cachewalk --kib N [--seconds S] [--busy-ms B] [--sleep-ms Z] [--tag TEXT]\n",
-		why);
-	return 2;
-}
+#define USAGE "cachewalk --kib N [--seconds S] [--busy-ms B] [--sleep-ms Z] [--tag TEXT]"
 
 static int parse(int argc, char **argv, struct options *o)
 {
-	int i;
+	const struct arg_spec specs[] = {
+		{ "--kib", ARG_ULONG, &o->kib, ULONG_MAX >> 10 },
+		{ "--seconds", ARG_DOUBLE, &o->seconds, 0 },
+		{ "--busy-ms", ARG_ULONG, &o->busy_ms, ULONG_MAX },
+		{ "--sleep-ms", ARG_ULONG, &o->sleep_ms, ULONG_MAX },
+		{ "--tag", ARG_STRING, &o->tag, 0 },
+	};
+	int rc;
 
-	o->kib = 0;
-	o->seconds = 10;
-	o->busy_ms = 10;
-	o->sleep_ms = 10;
-	o->tag = "";
-	for (i = 1; i + 1 < argc; i += 2) {
-		const char *a = argv[i], *v = argv[i + 1];
-
-		if (!strcmp(a, "--kib")) {
-			if (arg_ulong("cachewalk", a, v, ULONG_MAX >> 10, &o->kib))
-				return 2;
-		} else if (!strcmp(a, "--seconds")) {
-			if (arg_double("cachewalk", a, v, &o->seconds))
-				return 2;
-		} else if (!strcmp(a, "--busy-ms")) {
-			if (arg_ulong("cachewalk", a, v, ULONG_MAX, &o->busy_ms))
-				return 2;
-		} else if (!strcmp(a, "--sleep-ms")) {
-			if (arg_ulong("cachewalk", a, v, ULONG_MAX, &o->sleep_ms))
-				return 2;
-		} else if (!strcmp(a, "--tag"))
-			o->tag = v;
-		else
-			return usage("unknown option");
-	}
-	if (i != argc)
-		return usage("option needs a value");
+	*o = (struct options){ .seconds = 10, .busy_ms = 10, .sleep_ms = 10, .tag = "" };
+	rc = args_parse("cachewalk", USAGE, argc, argv, specs, ARRAY_LEN(specs));
+	if (rc)
+		return rc;
 	if (o->kib < 4)
-		return usage("--kib must be >= 4");
+		return args_usage("cachewalk", USAGE, "--kib must be >= 4");
 	if (!(o->seconds > 0))
-		return usage("--seconds must be > 0");
+		return args_usage("cachewalk", USAGE, "--seconds must be > 0");
 	if (!o->busy_ms)
-		return usage("--busy-ms must be > 0");
+		return args_usage("cachewalk", USAGE, "--busy-ms must be > 0");
 	return 0;
 }
 

@@ -1,6 +1,7 @@
 #!/bin/sh
 # Every numeric option of the guest programs refuses what is not a
-# whole number in range: exit 2 and a message naming the option. Runs
+# whole number in range, and every program refuses an unknown option or
+# a missing value: exit 2 and a message naming the option. Runs
 # the programs on the build host (they are static x86_64 binaries);
 # none of these calls gets as far as touching memory (a program that
 # took a bad value and started anyway is stopped after 5 s).
@@ -38,6 +39,13 @@ expect_refused dirty --pace-ms --mib 1 --pace-ms 5ms
 expect_refused pagefault --seconds --mib 1 --seconds 2.5
 expect_refused fragment --sleep-ms --mib 1 --sleep-ms 1e2
 expect_refused reuse --seconds --mib 1 --seconds nan
+# an option no program has, and an option without its value
+for prog in populate churn dirty pagefault cachewalk hugefit fragment reuse; do
+	expect_refused $prog --bogus --bogus 1
+done
+expect_refused populate --mib --mib
+expect_refused churn --tag --tag
+expect_refused cachewalk --seconds --kib 64 --seconds
 
 [ $fail = 0 ] && echo "check-args: every bad number refused"
 exit $fail

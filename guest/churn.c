@@ -38,62 +38,30 @@ struct options {
 	const char *tag;
 };
 
-static int usage(const char *why)
-{
-	fprintf(stderr, "churn: %s\n"
-		"usage: churn [--mib N] [--iterations K] [--sleep-ms S] [--thp] [--tag TEXT]\n",
-		why);
-	return 2;
-}
+#define USAGE "churn [--mib N] [--iterations K] [--sleep-ms S] [--thp] [--tag TEXT]"
 
 static int parse(int argc, char **argv, struct options *o)
 {
-	int i;
+	const struct arg_spec specs[] = {
+		{ "--mib", ARG_ULONG, &o->mib, ULONG_MAX >> 20 },
+		{ "--iterations", ARG_UINT, &o->iterations, 0 },
+		{ "--sleep-ms", ARG_UINT, &o->sleep_ms, 0 },
+		{ "--thp", ARG_FLAG, &o->thp, 0 },
+		{ "--tag", ARG_STRING, &o->tag, 0 },
+	};
+	int rc;
 
-	o->mib = 512;
-	o->iterations = 10;
-	o->sleep_ms = 0;
-	o->thp = 0;
-	o->tag = "";
-	for (i = 1; i < argc; i++) {
-		const char *a = argv[i];
-		const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-
-		if (!strcmp(a, "--thp")) {
-			o->thp = 1;
-			continue;
-		}
-		if (!v)
-			return usage("option needs a value");
-		if (!strcmp(a, "--mib")) {
-			if (arg_ulong("churn", a, v, ULONG_MAX >> 20, &o->mib))
-				return 2;
-		} else if (!strcmp(a, "--iterations")) {
-			if (arg_uint("churn", a, v, &o->iterations))
-				return 2;
-		} else if (!strcmp(a, "--sleep-ms")) {
-			if (arg_uint("churn", a, v, &o->sleep_ms))
-				return 2;
-		} else if (!strcmp(a, "--tag"))
-			o->tag = v;
-		else
-			return usage("unknown option");
-		i++;
-	}
+	*o = (struct options){ .mib = 512, .iterations = 10, .tag = "" };
+	rc = args_parse("churn", USAGE, argc, argv, specs, ARRAY_LEN(specs));
+	if (rc)
+		return rc;
 	if (!o->mib)
-		return usage("--mib must be > 0");
+		return args_usage("churn", USAGE, "--mib must be > 0");
 	if (!o->iterations || o->iterations > MAX_ITERATIONS)
-		return usage("--iterations must be 1..10000");
+		return args_usage("churn", USAGE, "--iterations must be 1..10000");
 	return 0;
 }
 
-static void sleep_ms(unsigned int ms)
-{
-	struct timespec ts = { ms / 1000, (long)(ms % 1000) * 1000000L };
-
-	while (nanosleep(&ts, &ts) && errno == EINTR)
-		;
-}
 
 /* Map, touch every page, unmap. Returns 0 or 3 (mmap refused). */
 static int one_iteration(const struct options *o, uint64_t *alloc_ns, uint64_t *free_ns,

@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: GPL-2.0 */
-/* Time and fault counts shared by the guest programs. */
+/* Time, sleeps and fault counts shared by the guest programs. */
 #ifndef FREEPAGE_GUEST_CLOCK_H
 #define FREEPAGE_GUEST_CLOCK_H
 
+#include <errno.h>
 #include <stdint.h>
 #include <sys/resource.h>
 #include <time.h>
@@ -23,6 +24,15 @@ static inline long minor_faults(void)
 
 	getrusage(RUSAGE_SELF, &ru);
 	return ru.ru_minflt;
+}
+
+/* Sleep @ms milliseconds, through signals */
+static inline void sleep_ms(unsigned int ms)
+{
+	struct timespec ts = { ms / 1000, (long)(ms % 1000) * 1000000L };
+
+	while (nanosleep(&ts, &ts) && errno == EINTR)
+		;
 }
 
 #endif

@@ -41,32 +41,27 @@ static double now_s(void)
 	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+#define USAGE "dirty --mib N [--seconds S] [--pace-ms P]"
+
 int main(int argc, char **argv)
 {
 	unsigned long mib = 0, len, off, passes = 0;
 	double seconds = 0, pace = 0, start, next;
 	unsigned char *p;
 	unsigned char v = 1;
+	const struct arg_spec specs[] = {
+		{ "--mib", ARG_ULONG, &mib, ULONG_MAX >> 20 },
+		{ "--seconds", ARG_DOUBLE, &seconds, 0 },
+		{ "--pace-ms", ARG_DOUBLE, &pace, 0 },
+	};
 	int i;
 
-	for (i = 1; i + 1 < argc; i += 2) {
-		if (!strcmp(argv[i], "--mib")) {
-			if (arg_ulong("dirty", argv[i], argv[i + 1], ULONG_MAX >> 20, &mib))
-				return 2;
-		} else if (!strcmp(argv[i], "--seconds")) {
-			if (arg_double("dirty", argv[i], argv[i + 1], &seconds))
-				return 2;
-		} else if (!strcmp(argv[i], "--pace-ms")) {
-			if (arg_double("dirty", argv[i], argv[i + 1], &pace))
-				return 2;
-			pace /= 1000.0;
-		} else
-			break;
-	}
-	if (i != argc || !mib) {
-		fprintf(stderr, "usage: dirty --mib N [--seconds S] [--pace-ms P]\n");
-		return 2;
-	}
+	i = args_parse("dirty", USAGE, argc, argv, specs, ARRAY_LEN(specs));
+	if (i)
+		return i;
+	if (!mib)
+		return args_usage("dirty", USAGE, "--mib must be > 0");
+	pace /= 1000.0;
 	len = mib * MIB;
 	p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 	if (p == MAP_FAILED) {

@@ -32,6 +32,7 @@
 
 #include "args.h"
 #include "clock.h"
+#include "nonzero.h"
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
@@ -59,69 +60,27 @@ struct totals {
 	unsigned long holes;
 };
 
-static int usage(const char *why)
-{
-	fprintf(stderr, "fragment: %s\n"
-		"usage: fragment --mib N [--seconds S] [--sleep-ms Z] [--tag TEXT]\n", why);
-	return 2;
-}
+#define USAGE "fragment --mib N [--seconds S] [--sleep-ms Z] [--tag TEXT]"
 
 static int parse(int argc, char **argv, struct options *o)
 {
-	int i;
+	const struct arg_spec specs[] = {
+		{ "--mib", ARG_ULONG, &o->mib, ULONG_MAX >> 20 },
+		{ "--seconds", ARG_UINT, &o->seconds, 0 },
+		{ "--sleep-ms", ARG_UINT, &o->sleep_ms, 0 },
+		{ "--tag", ARG_STRING, &o->tag, 0 },
+	};
+	int rc;
 
-	o->mib = 0;
-	o->seconds = 10;
-	o->sleep_ms = 100;
-	o->tag = "";
-	for (i = 1; i < argc; i++) {
-		const char *a = argv[i];
-		const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-
-		if (!v)
-			return usage("option needs a value");
-		if (!strcmp(a, "--mib")) {
-			if (arg_ulong("fragment", a, v, ULONG_MAX >> 20, &o->mib))
-				return 2;
-		} else if (!strcmp(a, "--seconds")) {
-			if (arg_uint("fragment", a, v, &o->seconds))
-				return 2;
-		} else if (!strcmp(a, "--sleep-ms")) {
-			if (arg_uint("fragment", a, v, &o->sleep_ms))
-				return 2;
-		} else if (!strcmp(a, "--tag"))
-			o->tag = v;
-		else
-			return usage("unknown option");
-		i++;
-	}
+	*o = (struct options){ .seconds = 10, .sleep_ms = 100, .tag = "" };
+	rc = args_parse("fragment", USAGE, argc, argv, specs, ARRAY_LEN(specs));
+	if (rc)
+		return rc;
 	if (!o->mib)
-		return usage("--mib N is required and must be > 0");
+		return args_usage("fragment", USAGE, "--mib N is required and must be > 0");
 	return 0;
 }
 
-static void sleep_ms(unsigned int ms)
-{
-	struct timespec ts = { ms / 1000, (long)(ms % 1000) * 1000000L };
-
-	while (nanosleep(&ts, &ts) && errno == EINTR)
-		;
-}
-
-/* Non-zero bytes of one page */
-static unsigned long page_nonzero(const unsigned char *p)
-{
-	const uint64_t *w = (const uint64_t *)p;
-	unsigned long i, j, n = 0;
-
-	for (i = 0; i < PAGE / sizeof(*w); i++) {
-		if (!w[i])
-			continue;
-		for (j = 0; j < sizeof(*w); j++)
-			n += p[i * sizeof(*w) + j] != 0;
-	}
-	return n;
-}
 
 /*
  * Fault in [p, p + len), check that every page reads as zero, fill it with
@@ -138,7 +97,7 @@ static int fault_check_fill(unsigned char *p, unsigned long len, unsigned char f
 		return 3;
 	}
 	for (off = 0; off < len; off += PAGE) {
-		n = page_nonzero(p + off);
+		n = count_nonzero(p + off, PAGE);
 		if (n) {
 			if (t->nonzero_pages < REPORT_MAX)
 				fprintf(stderr, "fragment: round %lu: a fresh page held %lu "

@@ -28,36 +28,24 @@
 #define MAP_HUGETLB 0x40000
 #endif
 
-static int usage(const char *why)
-{
-	if (why)
-		fprintf(stderr, "hugefit: %s\n", why);
-	fprintf(stderr, "usage: hugefit --mib N --ms T\n");
-	return 2;
-}
+#define USAGE "hugefit --mib N --ms T"
 
 int main(int argc, char **argv)
 {
 	unsigned long mib = 0, ms = 0, tries = 0, refused = 0;
 	int first_errno = 0;
 	uint64_t end;
+	const struct arg_spec specs[] = {
+		{ "--mib", ARG_ULONG, &mib, 1UL << 20 },
+		{ "--ms", ARG_ULONG, &ms, 3600000UL },
+	};
 	int i;
 
-	for (i = 1; i < argc; i += 2) {
-		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-
-		if (!strcmp(a, "--mib")) {
-			if (arg_ulong("hugefit", "--mib", v, 1UL << 20, &mib))
-				return 2;
-		} else if (!strcmp(a, "--ms")) {
-			if (arg_ulong("hugefit", "--ms", v, 3600000UL, &ms))
-				return 2;
-		} else {
-			return usage("unknown option");
-		}
-	}
+	i = args_parse("hugefit", USAGE, argc, argv, specs, ARRAY_LEN(specs));
+	if (i)
+		return i;
 	if (!mib || mib % 2)
-		return usage("--mib must be a positive multiple of 2");
+		return args_usage("hugefit", USAGE, "--mib must be a positive multiple of 2");
 
 	end = now_ns() + ms * 1000000ULL;
 	do {

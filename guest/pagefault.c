@@ -27,12 +27,7 @@
 #define MIB (1024UL * 1024UL)
 #define PAGE 4096UL
 
-static int usage(const char *why)
-{
-	fprintf(stderr, "pagefault: %s\nusage: pagefault [--seconds S] [--mib N] [--tag TEXT]\n",
-		why);
-	return 2;
-}
+#define USAGE "pagefault [--seconds S] [--mib N] [--tag TEXT]"
 
 int main(int argc, char **argv)
 {
@@ -40,24 +35,18 @@ int main(int argc, char **argv)
 	const char *tag = "";
 	uint64_t start, end, deadline, elapsed;
 	long f0, faults;
+	const struct arg_spec specs[] = {
+		{ "--seconds", ARG_ULONG, &seconds, ULONG_MAX },
+		{ "--mib", ARG_ULONG, &mib, ULONG_MAX >> 20 },
+		{ "--tag", ARG_STRING, &tag, 0 },
+	};
 	int i;
 
-	for (i = 1; i < argc; i += 2) {
-		if (i + 1 >= argc)
-			return usage("option needs a value");
-		if (!strcmp(argv[i], "--seconds")) {
-			if (arg_ulong("pagefault", argv[i], argv[i + 1], ULONG_MAX, &seconds))
-				return 2;
-		} else if (!strcmp(argv[i], "--mib")) {
-			if (arg_ulong("pagefault", argv[i], argv[i + 1], ULONG_MAX >> 20, &mib))
-				return 2;
-		} else if (!strcmp(argv[i], "--tag"))
-			tag = argv[i + 1];
-		else
-			return usage("unknown option");
-	}
+	i = args_parse("pagefault", USAGE, argc, argv, specs, ARRAY_LEN(specs));
+	if (i)
+		return i;
 	if (!mib || !seconds)
-		return usage("--mib and --seconds must be > 0");
+		return args_usage("pagefault", USAGE, "--mib and --seconds must be > 0");
 	len = mib * MIB;
 	f0 = minor_faults();
 	start = now_ns();

@@ -29,6 +29,7 @@
 
 #include "args.h"
 #include "clock.h"
+#include "nonzero.h"
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
@@ -62,86 +63,40 @@ static uint64_t cpu_ns(void)
 	       ((uint64_t)ru.ru_utime.tv_usec + (uint64_t)ru.ru_stime.tv_usec) * 1000ULL;
 }
 
-static int usage(const char *why)
-{
-	fprintf(stderr, "populate: %s\n"
-		"usage: populate --mib N [--mode 4k|thp|hugetlb|hugetlb-1g] [--fill BYTE] [--verify]\n"
-		"                [--touch] [--repeat K] [--tag TEXT]\n", why);
-	return 2;
-}
+#define USAGE "populate --mib N [--mode 4k|thp|hugetlb|hugetlb-1g] [--fill BYTE] [--verify]\n" \
+	"                [--touch] [--repeat K] [--tag TEXT]"
 
 static int parse(int argc, char **argv, struct options *o)
 {
-	int i;
+	unsigned long fill = ULONG_MAX;
+	const struct arg_spec specs[] = {
+		{ "--mib", ARG_ULONG, &o->mib, ULONG_MAX >> 20 },
+		{ "--mode", ARG_STRING, &o->mode, 0 },
+		{ "--fill", ARG_ULONG, &fill, 0xff },
+		{ "--verify", ARG_FLAG, &o->verify, 0 },
+		{ "--touch", ARG_FLAG, &o->touch, 0 },
+		{ "--repeat", ARG_UINT, &o->repeat, 0 },
+		{ "--tag", ARG_STRING, &o->tag, 0 },
+	};
+	int rc;
 
-	o->mib = 0;
-	o->mode = "4k";
-	o->fill = -1;
-	o->verify = 0;
-	o->touch = 0;
-	o->repeat = 1;
-	o->tag = "";
-	for (i = 1; i < argc; i++) {
-		const char *a = argv[i];
-		const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-
-		if (!strcmp(a, "--verify")) {
-			o->verify = 1;
-			continue;
-		}
-		if (!strcmp(a, "--touch")) {
-			o->touch = 1;
-			continue;
-		}
-		if (!v)
-			return usage("option needs a value");
-		if (!strcmp(a, "--mib")) {
-			if (arg_ulong("populate", a, v, ULONG_MAX >> 20, &o->mib))
-				return 2;
-		} else if (!strcmp(a, "--mode"))
-			o->mode = v;
-		else if (!strcmp(a, "--fill")) {
-			unsigned long b;
-
-			if (arg_ulong("populate", a, v, 0xff, &b))
-				return 2;
-			o->fill = (int)b;
-		} else if (!strcmp(a, "--repeat")) {
-			if (arg_uint("populate", a, v, &o->repeat))
-				return 2;
-		} else if (!strcmp(a, "--tag"))
-			o->tag = v;
-		else
-			return usage("unknown option");
-		i++;
-	}
+	*o = (struct options){ .mode = "4k", .repeat = 1, .tag = "" };
+	rc = args_parse("populate", USAGE, argc, argv, specs, ARRAY_LEN(specs));
+	if (rc)
+		return rc;
+	o->fill = fill == ULONG_MAX ? -1 : (int)fill;
 	if (!o->mib)
-		return usage("--mib must be > 0");
+		return args_usage("populate", USAGE, "--mib must be > 0");
 	if (strcmp(o->mode, "4k") && strcmp(o->mode, "thp") && strcmp(o->mode, "hugetlb") &&
 	    strcmp(o->mode, "hugetlb-1g"))
-		return usage("--mode must be 4k, thp, hugetlb or hugetlb-1g");
+		return args_usage("populate", USAGE, "--mode must be 4k, thp, hugetlb or hugetlb-1g");
 	if (!strcmp(o->mode, "hugetlb-1g") && o->mib % 1024)
-		return usage("--mode hugetlb-1g needs --mib in whole GiB");
+		return args_usage("populate", USAGE, "--mode hugetlb-1g needs --mib in whole GiB");
 	if (!o->repeat)
-		return usage("--repeat must be > 0");
+		return args_usage("populate", USAGE, "--repeat must be > 0");
 	return 0;
 }
 
-static unsigned long count_nonzero(const unsigned char *p, unsigned long len)
-{
-	const uint64_t *w = (const uint64_t *)p;
-	unsigned long i, bad = 0;
-
-	for (i = 0; i < len / 8; i++) {
-		if (w[i]) {
-			unsigned int b;
-
-			for (b = 0; b < 8; b++)
-				bad += p[i * 8 + b] != 0;
-		}
-	}
-	return bad;
-}
 
 static int one_round(const struct options *o, unsigned int round)
 {

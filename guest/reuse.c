@@ -86,32 +86,27 @@ static int one_round(unsigned long len, uint64_t round, struct bad *bad)
 	return 0;
 }
 
+#define USAGE "reuse --mib N [--seconds S] [--pace-ms P]"
+
 int main(int argc, char **argv)
 {
 	unsigned long mib = 0;
 	double seconds = 0, pace = 0, start, next;
 	struct bad bad = { 0 };
 	uint64_t round = 0;
+	const struct arg_spec specs[] = {
+		{ "--mib", ARG_ULONG, &mib, 1UL << 20 },
+		{ "--seconds", ARG_DOUBLE, &seconds, 0 },
+		{ "--pace-ms", ARG_DOUBLE, &pace, 0 },
+	};
 	int i, rc = 0;
 
-	for (i = 1; i + 1 < argc; i += 2) {
-		if (!strcmp(argv[i], "--mib")) {
-			if (arg_ulong("reuse", argv[i], argv[i + 1], 1UL << 20, &mib))
-				return 2;
-		} else if (!strcmp(argv[i], "--seconds")) {
-			if (arg_double("reuse", argv[i], argv[i + 1], &seconds))
-				return 2;
-		} else if (!strcmp(argv[i], "--pace-ms")) {
-			if (arg_double("reuse", argv[i], argv[i + 1], &pace))
-				return 2;
-			pace /= 1000.0;
-		} else
-			break;
-	}
-	if (i != argc || !mib) {
-		fprintf(stderr, "usage: reuse --mib N [--seconds S] [--pace-ms P]\n");
-		return 2;
-	}
+	i = args_parse("reuse", USAGE, argc, argv, specs, ARRAY_LEN(specs));
+	if (i)
+		return i;
+	if (!mib)
+		return args_usage("reuse", USAGE, "--mib must be > 0");
+	pace /= 1000.0;
 	signal(SIGTERM, on_signal);
 	signal(SIGINT, on_signal);
 	start = (double)now_ns() / 1e9;

@@ -16,7 +16,8 @@ from __future__ import annotations
 import fcntl
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,15 +68,23 @@ def build_once(shell: Shell, build: Build, source: Source, make: Make) -> None:
     if shell.dry_run:
         _locked(shell, build, source, make)
         return
-    build.lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(build.lock, "w") as lock:
+    with exclusive(build.lock, f"build {build.label}: waiting for another build of the "
+                   f"same {build.what}"):
+        _locked(shell, build, source, make)
+
+
+@contextmanager
+def exclusive(path: Path, waiting: str) -> Iterator[None]:
+    """Hold the lock file `path` (made if missing); print `waiting` when
+    another process holds it and wait for it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"build {build.label}: waiting for another build of the same {build.what}",
-                  flush=True)
+            print(waiting, flush=True)
             fcntl.flock(lock, fcntl.LOCK_EX)
-        _locked(shell, build, source, make)
+        yield
 
 
 def _locked(shell: Shell, build: Build, source: Source, make: Make) -> None:

@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,9 +106,20 @@ def build_each(shell: Shell, queue: kernel.Queue, arches: tuple[str, ...] = ARCH
                with_kunit: bool = True) -> StageResult:
     """Apply the stack of `queue` one patch at a time and build each prefix."""
     finish = timed(f"build each patch of {queue.name} and what it requires ({', '.join(arches)})")
-    todo = steps(queue)
     base = kernel.base_tree(shell)
     src = paths.cache_dir() / "prefix" / kernel.base_version(shell)
+    if shell.dry_run:
+        return _build_each(shell, queue, arches, with_kunit, base, src, finish)
+    # one tree for every worktree sharing the cache: a second run waits
+    # instead of deleting the tree under the first one's compiler
+    with buildcache.exclusive(src.with_name(src.name + ".lock"),
+                              f"build-each: waiting for another build-each using {src}"):
+        return _build_each(shell, queue, arches, with_kunit, base, src, finish)
+
+
+def _build_each(shell: Shell, queue: kernel.Queue, arches: tuple[str, ...], with_kunit: bool,
+                base: Path, src: Path, finish: Callable[..., StageResult]) -> StageResult:
+    todo = steps(queue)
     if src.exists() and not shell.dry_run:
         shutil.rmtree(src)
     if not shell.dry_run:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from freepage_lab import kernel, patchqueue, paths, prefixbuild
-from freepage_lab.shell import Shell
+from freepage_lab.shell import LabError, Shell
 
 SERIES = ("page-reporting", "never-zero-twice", "prezero")
 
@@ -140,3 +140,40 @@ def test_build_each_applies_every_patch_in_order_and_builds_each_prefix(capsys):
                      if prefixbuild.touches_kunit(f)]
     assert kunit_patches, "no patch adds a KUnit suite"
     assert out.count("kunit_shutdown=halt") >= len(kunit_patches)
+
+
+def test_build_each_waits_for_another_build_each_before_it_clears_the_tree(tmp_path, monkeypatch):
+    """Worktrees share one prefix tree in the cache: a second build-each
+    must not delete it while the first one's compiler is using it."""
+    import fcntl
+    import threading
+
+    monkeypatch.setattr(paths, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(kernel, "base_tree", lambda shell: tmp_path / "base")
+    monkeypatch.setattr(kernel, "base_version", lambda shell: "6.12-test")
+    tree = tmp_path / "prefix" / "6.12-test"
+    (tree / "um-prefix-build").mkdir(parents=True)
+    cleared = threading.Event()
+    monkeypatch.setattr(prefixbuild.shutil, "rmtree", lambda path: cleared.set())
+
+    class StopAtCopy(Shell):
+        def run(self, argv, **kw):
+            raise LabError("stopped before copying the base tree")
+
+    errors = []
+
+    def second_run():
+        try:
+            prefixbuild.build_each(StopAtCopy(), kernel.queue_for("x86_64"), ("um",))
+        except LabError as exc:
+            errors.append(str(exc))
+
+    with open(tree.with_name(tree.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        t = threading.Thread(target=second_run)
+        t.start()
+        t.join(0.5)
+        assert not cleared.is_set(), "build-each cleared the tree another build-each holds"
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    t.join(10)
+    assert cleared.is_set() and errors == ["stopped before copying the base tree"]
