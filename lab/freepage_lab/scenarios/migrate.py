@@ -82,7 +82,7 @@ class MigrateParams:
 
 
 def guest_script(p: MigrateParams, workload: str, flush: bool) -> str:
-    # fill_mib 0: a guest that only booted (the source document's idle guest)
+    # fill_mib 0: a guest that only booted; the demo's 8 GiB step fills half and frees it
     lines = [f"populate --mib {p.fill_mib} --mode 4k --fill 0xa5 --tag fill"] if p.fill_mib else []
     if flush:
         # reporting on: the freed memory is reported (and discarded) first
