@@ -39,6 +39,7 @@ WITHIN_S = 5.0
 PATCHED = os.environ.get("FREEPAGE_REPORTING_KERNEL", "freepage") != "stock"
 KERNEL = "freepage" if PATCHED else "stock"
 ORDER_PARAM = "/sys/module/page_reporting/parameters/page_reporting_order"
+DRIVER = "/sys/bus/virtio/drivers/virtio_balloon"
 
 
 def released_within(lab, platform: str, mem_mib: int) -> tuple[float, float | None]:
@@ -116,10 +117,18 @@ def test_every_knob_refuses_out_of_range_writes(lab):
         assert any(re.fullmatch(rf"KNOB {knob} reads {value}", ln) for ln in out), out
 
 
+def flush_line(tag: str) -> str:
+    """Guest shell: flush, and print `tag ok` or `tag failed: <error>`."""
+    return (f'if err=$( (echo 1000000 > {FLUSH}) 2>&1 ); then echo "{tag} ok"; '
+            f'else echo "{tag} failed: $err"; fi')
+
+
 def test_sysfs_holds_the_tunables_and_a_debugfs_flush_reports(lab):
     """/sys/kernel/mm/page_reporting holds delay_ms, budget_pages and batch,
     nothing else; the counters are in debugfs, and a flush there, with the
-    delay too long for a pass to run on its own, reports a free at once."""
+    delay too long for a pass to run on its own, reports a free at once.
+    With the driver unbound the flush answers ENODEV; bound again (the
+    reporting key off, then on), it reports again."""
     ctx = lab.context("uml", patched=PATCHED)
     counters = " ".join(REPORTING_COUNTERS)
     script = f"""{BALLOON_BOUND}
@@ -129,15 +138,22 @@ echo 60000 > {REPORTING_SYSFS}/delay_ms
 sleep 1
 before=$(awk '{{s=0; for (i = 1; i <= NF; i++) s += $i; print s}}' {REPORTING_DIR}/reported_pages)
 populate --mib 64 --mode 4k --tag flush
-if err=$( (echo 1000000 > {FLUSH}) 2>&1 ); then echo FLUSH ok; else echo "FLUSH failed: $err"; fi
+{flush_line("FLUSH")}
 after=$(awk '{{s=0; for (i = 1; i <= NF; i++) s += $i; print s}}' {REPORTING_DIR}/reported_pages)
 echo "REPORTED $((after - before))"
 for f in {counters}; do echo "COUNTER $f $(cat {REPORTING_DIR}/$f)"; done
+dev=$(basename $(ls -d {DRIVER}/virtio*))
+echo $dev > {DRIVER}/unbind
+{flush_line("UNBOUND")}
+echo $dev > {DRIVER}/bind
+{BALLOON_BOUND}
+populate --mib 64 --mode 4k --tag rebound
+{flush_line("REBOUND")}
 """
+    tags = ("SYSFS", "DEBUGFS", "FLUSH", "REPORTED", "COUNTER", "UNBOUND", "REBOUND")
     with lab.start(ctx, "debugfs", script, lab.PLAIN, mem_mib=512, timeout_s=180) as run:
         run.wait_exit(90)
-        out = [t.strip() for t in run.booted.lines
-               if t.startswith(("SYSFS", "DEBUGFS", "FLUSH", "REPORTED", "COUNTER"))]
+        out = [t.strip() for t in run.booted.lines if t.startswith(tags)]
     print("\n".join(out))
     sysfs = next(ln for ln in out if ln.startswith("SYSFS"))
     assert sysfs.split()[1:] == sorted(REPORTING_TUNABLES), sysfs
@@ -147,3 +163,7 @@ for f in {counters}; do echo "COUNTER $f $(cat {REPORTING_DIR}/$f)"; done
     reported = int(next(ln for ln in out if ln.startswith("REPORTED")).split()[1])
     # 64 MiB freed, reported in blocks of the reporting order by the flush alone
     assert reported >= 64 * MIB // 4096 // 2, out
+    unbound = next(ln for ln in out if ln.startswith("UNBOUND"))
+    assert "No such device" in unbound, unbound
+    assert "REBOUND ok" in out, out
+    assert not [t for t in run.booted.lines if "WARNING:" in t or "BUG:" in t]
