@@ -9,9 +9,13 @@ from __future__ import annotations
 
 from .initramfs import EVENT
 
-# -- free page reporting (the series' sysfs directory) -----------------------
+# -- free page reporting (the series' tunables in sysfs, the rest in debugfs) ----
 
-REPORTING_DIR = "/sys/kernel/mm/page_reporting"
+# the tunables: delay_ms, budget_pages, batch (the order is the module parameter)
+REPORTING_SYSFS = "/sys/kernel/mm/page_reporting"
+REPORTING_TUNABLES = ("delay_ms", "budget_pages", "batch")
+# counters and the flush trigger (the guest's init mounts debugfs)
+REPORTING_DIR = "/sys/kernel/debug/page_reporting"
 # Write a page budget: one reporting pass runs now, the write returns when
 # it is done: ENODEV without a reporting device, ENODATA if nothing was
 # reported, the device's error if it failed (freepage series only).
@@ -80,12 +84,16 @@ def flush_if_present() -> str:
 
 def reporting_snapshot() -> str:
     """Shell function `reporting TAG`: one JSON line with the series'
-    counters (reported_pages summed over orders); nothing on stock."""
+    counters (reported_pages summed over orders), the delay in force and
+    delay_ms; nothing on stock."""
     r = REPORTING_DIR
-    fields = ",".join(f'"{c}":%s' for c in (*REPORTING_COUNTERS, "current_delay_ms", "delay_ms"))
+    names = (*REPORTING_COUNTERS, "current_delay_ms", "delay_ms")
+    fields = ",".join(f'"{c}":%s' for c in names)
     values = " ".join('"$(awk \'{s=0; for (i = 1; i <= NF; i++) s += $i; print s}\' $R/' + c + ')"'
-                      if c == "reported_pages" else f'"$(cat $R/{c})"'
-                      for c in (*REPORTING_COUNTERS, "current_delay_ms", "delay_ms"))
+                      if c == "reported_pages" else
+                      f'"$(cat {REPORTING_SYSFS}/{c})"' if c in REPORTING_TUNABLES else
+                      f'"$(cat $R/{c})"'
+                      for c in names)
     return "\n".join([
         "reporting() {",
         f"\t[ -r {r}/passes ] || return 0",

@@ -33,6 +33,8 @@ mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev 2>/dev/null
 mount -t tmpfs tmpfs /tmp
+# debugfs where the kernel has it (free page reporting's counters and flush)
+[ -d /sys/kernel/debug ] && mount -t debugfs debugfs /sys/kernel/debug
 echo "{BOOTED} $(cut -d' ' -f1 /proc/uptime)"
 rc=0
 if [ -f /run.sh ]; then

@@ -208,10 +208,10 @@ def select(only: Sequence[str] = (), quick: bool = False) -> list[Test]:
 
 
 def guest_script(tests: Sequence[Test], setup: str = "") -> str:
-    """The runner: debugfs, the hugetlb pool, the config's setup, then each
-    test in /mm under busybox timeout, a JSON line after each."""
+    """The runner: the hugetlb pool, the config's setup, then each test in
+    /mm under busybox timeout, a JSON line after each (the guest's init
+    mounts debugfs)."""
     lines = [
-        "mount -t debugfs none /sys/kernel/debug",
         f"echo {HUGETLB_POOL_PAGES} > /proc/sys/vm/nr_hugepages",
         "free_pages=$(awk '/^HugePages_Free:/{print $2}' /proc/meminfo)",
         f'echo "hugetlb pool: $free_pages of {HUGETLB_POOL_PAGES} pages"',

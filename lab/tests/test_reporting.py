@@ -5,6 +5,8 @@ the guest frees 256 MiB of 4 KiB pages with the kernel's DEFAULT per-cpu
 list settings; >= 90% of it must be off the host within 5 s of the free.
 (c) every page_reporting knob refuses out-of-range writes with EINVAL /
 ERANGE and a valid write reads back.
+(d) sysfs holds the tunables only; the counters and the blocking flush are
+in debugfs, and a flush there reports what a free left behind.
 
 FREEPAGE_REPORTING_KERNEL=stock runs the same tests on stock 6.12, where
 they must fail (the bug they were written against: stock keeps 4 KiB frees
@@ -20,7 +22,14 @@ import time
 import pytest
 
 from freepage_lab import harness
-from freepage_lab.guestshell import BALLOON_BOUND
+from freepage_lab.guestshell import (
+    BALLOON_BOUND,
+    FLUSH,
+    REPORTING_COUNTERS,
+    REPORTING_DIR,
+    REPORTING_SYSFS,
+    REPORTING_TUNABLES,
+)
 from freepage_lab.initramfs import EVENT
 
 pytestmark = pytest.mark.slow
@@ -29,7 +38,8 @@ FREED_MIB = 256
 WITHIN_S = 5.0
 PATCHED = os.environ.get("FREEPAGE_REPORTING_KERNEL", "freepage") != "stock"
 KERNEL = "freepage" if PATCHED else "stock"
-SYSFS = "/sys/kernel/mm/page_reporting"
+ORDER_PARAM = "/sys/module/page_reporting/parameters/page_reporting_order"
+DRIVER = "/sys/bus/virtio/drivers/virtio_balloon"
 
 
 def released_within(lab, platform: str, mem_mib: int) -> tuple[float, float | None]:
@@ -72,7 +82,7 @@ def test_qemu_gives_back_90_percent_of_4k_frees_within_5s(lab):
     assert fraction >= 0.9, f"QEMU, {KERNEL} kernel: only {fraction:.0%} released in {WITHIN_S} s"
 
 
-# (knob, value, what the kernel must answer)
+# (knob, value, what the kernel must answer); the order is the module parameter
 REFUSED = (("order", "11", "Invalid argument"), ("order", "-1", "Invalid argument"),
            ("delay_ms", "60001", "Invalid argument"), ("delay_ms", "abc", "Invalid argument"),
            ("budget_pages", "2147483648", "Invalid argument"),
@@ -81,15 +91,20 @@ REFUSED = (("order", "11", "Invalid argument"), ("order", "-1", "Invalid argumen
 ACCEPTED = (("delay_ms", "250"), ("batch", "16"), ("budget_pages", "0"))
 
 
+def knob_path(knob: str) -> str:
+    return ORDER_PARAM if knob == "order" else f"{REPORTING_SYSFS}/{knob}"
+
+
 def test_every_knob_refuses_out_of_range_writes(lab):
     ctx = lab.context("uml", patched=PATCHED)
     lines = []
     for knob, value, _ in REFUSED:
-        lines.append(f"if err=$( (echo {value} > {SYSFS}/{knob}) 2>&1 ); then "
+        lines.append(f"if err=$( (echo {value} > {knob_path(knob)}) 2>&1 ); then "
                      f"echo 'KNOB {knob}={value} accepted'; "
                      f"else echo \"KNOB {knob}={value} refused: $err\"; fi")
     for knob, value in ACCEPTED:
-        lines.append(f"echo {value} > {SYSFS}/{knob}; echo \"KNOB {knob} reads $(cat {SYSFS}/{knob})\"")
+        path = knob_path(knob)
+        lines.append(f"echo {value} > {path}; echo \"KNOB {knob} reads $(cat {path})\"")
     # UML: no balloon without a daemon
     with lab.start(ctx, "knobs", "\n".join(lines) + "\n", lab.BARE, mem_mib=256) as run:
         run.wait_exit(60)
@@ -100,3 +115,55 @@ def test_every_knob_refuses_out_of_range_writes(lab):
         assert "refused" in line and error in line, line
     for knob, value in ACCEPTED:
         assert any(re.fullmatch(rf"KNOB {knob} reads {value}", ln) for ln in out), out
+
+
+def flush_line(tag: str) -> str:
+    """Guest shell: flush, and print `tag ok` or `tag failed: <error>`."""
+    return (f'if err=$( (echo 1000000 > {FLUSH}) 2>&1 ); then echo "{tag} ok"; '
+            f'else echo "{tag} failed: $err"; fi')
+
+
+def test_sysfs_holds_the_tunables_and_a_debugfs_flush_reports(lab):
+    """/sys/kernel/mm/page_reporting holds delay_ms, budget_pages and batch,
+    nothing else; the counters are in debugfs, and a flush there, with the
+    delay too long for a pass to run on its own, reports a free at once.
+    With the driver unbound the flush answers ENODEV; bound again (the
+    reporting key off, then on), it reports again."""
+    ctx = lab.context("uml", patched=PATCHED)
+    counters = " ".join(REPORTING_COUNTERS)
+    script = f"""{BALLOON_BOUND}
+echo "SYSFS $(ls {REPORTING_SYSFS} | sort | tr '\\n' ' ')"
+echo "DEBUGFS $(ls {REPORTING_DIR} | sort | tr '\\n' ' ')"
+echo 60000 > {REPORTING_SYSFS}/delay_ms
+sleep 1
+before=$(awk '{{s=0; for (i = 1; i <= NF; i++) s += $i; print s}}' {REPORTING_DIR}/reported_pages)
+populate --mib 64 --mode 4k --tag flush
+{flush_line("FLUSH")}
+after=$(awk '{{s=0; for (i = 1; i <= NF; i++) s += $i; print s}}' {REPORTING_DIR}/reported_pages)
+echo "REPORTED $((after - before))"
+for f in {counters}; do echo "COUNTER $f $(cat {REPORTING_DIR}/$f)"; done
+dev=$(basename $(ls -d {DRIVER}/virtio*))
+echo $dev > {DRIVER}/unbind
+{flush_line("UNBOUND")}
+echo $dev > {DRIVER}/bind
+{BALLOON_BOUND}
+populate --mib 64 --mode 4k --tag rebound
+{flush_line("REBOUND")}
+"""
+    tags = ("SYSFS", "DEBUGFS", "FLUSH", "REPORTED", "COUNTER", "UNBOUND", "REBOUND")
+    with lab.start(ctx, "debugfs", script, lab.PLAIN, mem_mib=512, timeout_s=180) as run:
+        run.wait_exit(90)
+        out = [t.strip() for t in run.booted.lines if t.startswith(tags)]
+    print("\n".join(out))
+    sysfs = next(ln for ln in out if ln.startswith("SYSFS"))
+    assert sysfs.split()[1:] == sorted(REPORTING_TUNABLES), sysfs
+    debugfs = next(ln for ln in out if ln.startswith("DEBUGFS")).split()[1:]
+    assert set(debugfs) >= {*REPORTING_COUNTERS, "current_delay_ms", "flush"}, debugfs
+    assert "FLUSH ok" in out, out
+    reported = int(next(ln for ln in out if ln.startswith("REPORTED")).split()[1])
+    # 64 MiB freed, reported in blocks of the reporting order by the flush alone
+    assert reported >= 64 * MIB // 4096 // 2, out
+    unbound = next(ln for ln in out if ln.startswith("UNBOUND"))
+    assert "No such device" in unbound, unbound
+    assert "REBOUND ok" in out, out
+    assert not [t for t in run.booted.lines if "WARNING:" in t or "BUG:" in t]

@@ -23,7 +23,7 @@ def test_guest_script_marks_populate_and_free_and_reads_the_counters():
     assert "percpu_pagelist_high_fraction" not in script
     assert "percpu_pagelist_high_fraction" in reclaim.guest_script(
         reclaim.ReclaimParams(pcp_high_fraction=1000))
-    assert "/sys/kernel/mm/page_reporting/$f" in script
+    assert "/sys/kernel/debug/page_reporting/$f" in script
 
 
 def test_counters_parse_scalars_and_per_order_lists():
