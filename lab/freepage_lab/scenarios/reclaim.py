@@ -285,10 +285,13 @@ def memstate_change(before: dict[str, Any] | None,
                     settled: dict[str, Any] | None) -> dict[str, Any]:
     """Where the guest's free memory went between before the populate and
     the end of the settle (MiB): free blocks below the reporting order
-    (reporting never sees them), at or above it, on the per-cpu lists."""
+    (reporting never sees them), at or above it, on the per-cpu lists.
+    Without a reporting device the order is -1: the largest order stands in."""
     if not before or not settled:
         return {}
     order = int(settled["reporting_order"])
+    if order < 0:
+        order = len(settled["free_blocks"]) - 1
 
     def mib(state: dict[str, Any], low: bool) -> float:
         return sum(n << o for o, n in enumerate(state["free_blocks"])
