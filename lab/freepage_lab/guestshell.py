@@ -120,6 +120,14 @@ def memstate_function() -> str:
     ])
 
 
+def reporting_tracer(period_ms: int) -> str:
+    """Guest shell: `reporting "t=<uptime>"` every `period_ms` in the
+    background, its pid in $tracer (needs reporting_snapshot())."""
+    pause = f"{period_ms // 1000}.{period_ms % 1000:03d}"
+    return (f"( while :; do reporting \"t=$(cut -d' ' -f1 /proc/uptime)\"; sleep {pause}; "
+            "done ) & tracer=$!")
+
+
 def reporting_counters() -> str:
     """One COUNTER_TAG line per counter the kernel has (none on stock)."""
     names = " ".join(REPORTING_COUNTERS)

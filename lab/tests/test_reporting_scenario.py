@@ -201,3 +201,11 @@ def test_guest_table_shows_where_the_free_memory_went():
     assert "13.0 [13.0-13.0]" in text and "18.6 [18.6-18.6]" in text
     assert reclaim.guest_table({"freepage": {"4k": reclaim.summarise([_round(1, 1, 1, 1)])}},
                                ("4k",)) == ""
+
+
+def test_trace_samples_the_counters_through_the_boot_and_stops_before_the_end():
+    assert "tracer" not in reclaim.guest_script(reclaim.ReclaimParams(modes=("4k",)))
+    script = reclaim.guest_script(reclaim.ReclaimParams(modes=("4k",), trace_ms=200))
+    assert "reporting() {" in script and "sleep 0.200" in script
+    assert (script.index("tracer=$!") < script.index("FREEPAGE-EVENT populate 0")
+            < script.index("kill $tracer") < script.index("REPORTING-COUNTER"))

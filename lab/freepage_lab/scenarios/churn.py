@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 from .. import harness
 from ..context import RunContext
-from ..guestshell import BALLOON_BOUND, REPORTING_COUNTERS, reporting_snapshot
+from ..guestshell import BALLOON_BOUND, REPORTING_COUNTERS, reporting_snapshot, reporting_tracer
 from ..initramfs import EVENT
 from ..procfs import Usage
 from ..shell import LabError
@@ -145,9 +145,7 @@ def churn_script(p: ChurnParams) -> str:
     loop = (f"churn --mib {p.churn_mib} --iterations {p.iterations} --sleep-ms {p.sleep_ms} "
             "--tag churn")
     if p.trace_ms:
-        pause = f"{p.trace_ms // 1000}.{p.trace_ms % 1000:03d}"
-        loop = (f"( while :; do reporting \"t=$(cut -d' ' -f1 /proc/uptime)\"; sleep {pause}; "
-                f"done ) & tracer=$!\n{loop}\nkill $tracer || true")
+        loop = f"{reporting_tracer(p.trace_ms)}\n{loop}\nkill $tracer || true"
     return "\n".join([
         BALLOON_BOUND, reporting_snapshot(),
         f"sleep {p.settle_s}",

@@ -33,12 +33,15 @@ from ..guestshell import (
     memstate_function,
     pcp_high_fraction,
     reporting_counters,
+    reporting_snapshot,
+    reporting_tracer,
     thp,
 )
 from ..initramfs import EVENT
 from ..plot import timeline_plot
 from ..shell import LabError
 from . import Outcome, Scenario, fmt_s, table
+from .churn import reporting_trace
 
 MIB = 1 << 20
 # reclaim goals: (fraction of the freed memory, within seconds of the free)
@@ -70,6 +73,9 @@ class ReclaimParams:
     # free block of this order or above once (then restore the order), to
     # measure what the host still backs in smaller free blocks; -1: no probe
     probe_order: int = -1
+    # series only: print the reporting counters every N ms through the
+    # boot (a diagnostic: the sampler costs the guest some CPU); 0: off
+    trace_ms: int = 0
     timeout_s: int = 300
 
 
@@ -83,6 +89,8 @@ def guest_script(p: ReclaimParams) -> str:
              thp("madvise")]
     if p.pcp_high_fraction:
         lines.append(pcp_high_fraction(p.pcp_high_fraction))
+    if p.trace_ms:
+        lines += [reporting_snapshot(), reporting_tracer(p.trace_ms)]
     for i, mode in enumerate(rounds_of(p)):
         lines += [
             f"memstate 'before {i}'",
@@ -95,6 +103,8 @@ def guest_script(p: ReclaimParams) -> str:
         if p.probe_order >= 0:
             lines += [f"echo {EVENT} probe {i}", probe_below_order(p.probe_order),
                       f"memstate 'probed {i}'", f"echo {EVENT} probed {i}"]
+    if p.trace_ms:
+        lines.append("kill $tracer || true")
     lines.append(reporting_counters())
     return "\n".join(lines) + "\n"
 
@@ -131,6 +141,8 @@ class Boot:
     timeline: dict[str, list[float]]
     huge_timeline: dict[str, list[float]] = field(default_factory=dict)
     counters: dict[str, int | list[int]] = field(default_factory=dict)
+    # the series' counters every trace_ms (seconds since the guest's boot)
+    trace: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ReclaimScenario(Scenario):
@@ -198,7 +210,7 @@ class ReclaimScenario(Scenario):
                      "footprint_mib": [s.bytes / MIB for s in samples]},
                     {"t_s": [s.t - t0 for s in booted.huge],
                      "anon_huge_mib": [s.bytes / MIB for s in booted.huge]},
-                    parse_counters(booted.lines))
+                    parse_counters(booted.lines), reporting_trace(booted.records()))
 
     def _report(self, ctx: RunContext, params: ReclaimParams, boots: list[Boot]) -> Outcome:
         rates = [b.sample_rate_hz for b in boots]
