@@ -103,6 +103,39 @@ def reporting_snapshot() -> str:
     ])
 
 
+# stock 6.12's reporting order (the series' is REPORTING_DIR/order)
+STOCK_REPORTING_ORDER = "/sys/module/page_reporting/parameters/page_reporting_order"
+MEMSTATE_PROG = "memstate"
+
+
+def memstate_function() -> str:
+    """Shell function `memstate TAG`: one JSON line with where the guest's
+    free memory is: free blocks per order over all zones (/proc/buddyinfo),
+    pages on the per-cpu lists (the pagesets' `count:` in /proc/zoneinfo),
+    MemFree (KiB) and the reporting order (-1 unknown)."""
+    return "\n".join([
+        "memstate() {",
+        "\tb=$(awk '{for (i = 5; i <= NF; i++) s[i-5] += $i; if (NF - 5 > n) n = NF - 5}"
+        " END {for (i = 0; i <= n; i++) printf \"%s%d\", (i ? \",\" : \"\"), s[i]}' /proc/buddyinfo)",
+        "\tp=$(awk '$1 == \"count:\" {s += $2} END {print s + 0}' /proc/zoneinfo)",
+        "\tf=$(awk '$1 == \"MemFree:\" {print $2}' /proc/meminfo)",
+        f"\to=$(cat {REPORTING_DIR}/order 2>/dev/null || cat {STOCK_REPORTING_ORDER} 2>/dev/null"
+        " || echo -1)",
+        f"\tprintf '{{\"prog\":\"{MEMSTATE_PROG}\",\"tag\":\"%s\",\"free_blocks\":[%s],"
+        "\"pcp_pages\":%s,\"memfree_kib\":%s,\"reporting_order\":%s}\\n' "
+        "\"$1\" \"$b\" \"$p\" \"$f\" \"$o\"",
+        "}",
+    ])
+
+
+def reporting_tracer(period_ms: int) -> str:
+    """Guest shell: `reporting "t=<uptime>"` every `period_ms` in the
+    background, its pid in $tracer (needs reporting_snapshot())."""
+    pause = f"{period_ms // 1000}.{period_ms % 1000:03d}"
+    return (f"( while :; do reporting \"t=$(cut -d' ' -f1 /proc/uptime)\"; sleep {pause}; "
+            "done ) & tracer=$!")
+
+
 def reporting_counters() -> str:
     """One COUNTER_TAG line per counter the kernel has (none on stock)."""
     names = " ".join(REPORTING_COUNTERS)

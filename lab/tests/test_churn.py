@@ -65,11 +65,13 @@ def _churn_boot(variant: str, alloc: float, host_faults: float) -> churn.ChurnBo
     return churn.ChurnBoot(variant, alloc, 32768, host_faults, 100.0, 12.0, [alloc], {}, None)
 
 
-def test_summary_ratios_are_to_stock():
+def test_summary_ratios_are_to_stock_without_off():
     boots = [_churn_boot("stock", a, 40000) for a in (100, 102, 98, 101, 99)]
     boots += [_churn_boot("stock250", a, 60000) for a in (200, 210, 190, 205, 195)]
     s = churn.summarise_churn(boots, churn.VARIANTS)
     assert set(s) == {"stock", "stock250"}  # variants without boots are left out
+    assert churn.table_baseline(s) == "stock"
+    assert "alloc_ms_ratio_to_off" not in s["stock250"]
     r = s["stock250"]["alloc_ms_ratio_to_stock"]
     assert r["ratio"] == pytest.approx(2.0)
     assert r["lo"] <= 2.0 <= r["hi"]
@@ -78,6 +80,20 @@ def test_summary_ratios_are_to_stock():
     assert s["stock"]["alloc_ms"]["min"] == 98 and s["stock"]["alloc_ms"]["max"] == 102
     text = churn.churn_table(s)
     assert "2.00x" in text and "stock250" in text
+
+
+def test_summary_ratios_are_to_off_when_measured():
+    boots = [_churn_boot("off", a, 40000) for a in (100, 102, 98, 101, 99)]
+    boots += [_churn_boot("stock", a, 40000) for a in (100, 101, 99, 100, 100)]
+    boots += [_churn_boot("freepage", a, 50000) for a in (110, 112, 108, 111, 109)]
+    s = churn.summarise_churn(boots, churn.VARIANTS)
+    assert churn.table_baseline(s) == "off"
+    assert s["freepage"]["host_faults_ratio_to_off"]["ratio"] == pytest.approx(1.25)
+    assert s["freepage"]["alloc_ms_ratio_to_off"]["ratio"] == pytest.approx(1.10)
+    assert s["freepage"]["alloc_ms_ratio_to_stock"]["ratio"] == pytest.approx(1.10)
+    assert "alloc_ms_ratio_to_off" not in s["off"]
+    text = churn.churn_table(s, "off")
+    assert "host faults/off" in text and "1.25x" in text
 
 
 def test_rotation_puts_every_variant_first_once():

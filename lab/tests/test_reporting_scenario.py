@@ -1,5 +1,7 @@
 """reclaim's variants: boot order, guest script, summaries, kernels (no boot)."""
 
+from pathlib import Path
+
 import pytest
 
 from freepage_lab import cli, demo, harness, kernel
@@ -110,3 +112,100 @@ def test_demo_reclaim_steps_compare_variants_with_default_pcp_lists():
         assert "pcp_high_fraction" not in s.params and "pcp_high_fraction" not in s.quick
         assert s.quick["variants"] == "stock,freepage"
 
+
+
+def _populate_and_free(base_mib, populated_mib, end_mib):
+    """Footprint samples at 50 Hz: `base_mib` until the populate at 0.5 s,
+    `populated_mib` until the free at 2 s, then 100 MiB/s down to `end_mib`."""
+    mib = 1 << 20
+    out = []
+    for k in range(600):
+        t = k * 0.02
+        v = base_mib if t < 0.5 else populated_mib if t < 2 else max(
+            end_mib, populated_mib - 1000 * (t - 2))
+        out.append(reclaim.Sample(t, int(v * mib)))
+    return out
+
+
+def test_round_is_measured_against_what_the_populate_added():
+    # 512 MiB populated, 10 MiB of it backed already: the footprint grows by
+    # 502 MiB, and the free takes it back to 3 MiB below where it started
+    samples = _populate_and_free(60, 562, 57)
+    r = reclaim.analyse_round(samples, reclaim.value_at(samples, 0.45), 2.0, 512 << 20)
+    assert r["added_bytes"] == 502 << 20
+    assert r["fraction"] == pytest.approx(505 / 502)
+    assert r["fraction_of_freed"] == pytest.approx(505 / 512)
+    assert r["t99_s"] == pytest.approx(0.50, abs=0.03)  # 99% of 502 MiB at 1000 MiB/s
+    assert r["t99_of_freed_s"] is None  # 99% of 512 MiB is never reached
+    assert r["left_behind_mib"] == pytest.approx(-3)
+    kept = reclaim.analyse_round(_populate_and_free(60, 562, 70), 60 << 20, 2.0, 512 << 20)
+    assert kept["left_behind_mib"] == pytest.approx(10) and kept["t99_s"] is None
+
+
+# recorded: UML, the series, 512 MiB populated and freed, then a report of
+# every free block from order 0 (reclaim --param probe_order=0)
+MEMSTATE_BEFORE = {"prog": "memstate", "tag": "before 0",
+                   "free_blocks": [0, 1, 1, 2, 0, 1, 2, 2, 4, 4, 494], "pcp_pages": 361,
+                   "memfree_kib": 2037464, "reporting_order": 10}
+MEMSTATE_SETTLED = {"prog": "memstate", "tag": "settled 0",
+                    "free_blocks": [3, 2, 2, 0, 7, 3, 5, 5, 6, 4, 493], "pcp_pages": 126,
+                    "memfree_kib": 2038396, "reporting_order": 10}
+
+
+def test_memstate_change_splits_free_memory_at_the_reporting_order():
+    c = reclaim.memstate_change(MEMSTATE_BEFORE, MEMSTATE_SETTLED)
+    page_mib = 4096 / (1 << 20)
+    assert c["guest_free_below_order_settled_mib"] == pytest.approx(4767 * page_mib)
+    assert c["guest_free_below_order_mib"] == pytest.approx((4767 - 3510) * page_mib)
+    assert c["guest_free_at_order_mib"] == pytest.approx(-4.0)
+    assert c["guest_pcp_mib"] == pytest.approx(-235 * page_mib)
+    assert c["guest_memfree_mib"] == pytest.approx(932 / 1024)
+    assert reclaim.memstate_change(None, MEMSTATE_SETTLED) == {}
+    # no reporting device (order -1): the largest order stands in
+    off = reclaim.memstate_change(MEMSTATE_BEFORE | {"reporting_order": -1},
+                                  MEMSTATE_SETTLED | {"reporting_order": -1})
+    assert off["reporting_order"] == 10 and off["guest_free_at_order_mib"] == pytest.approx(-4.0)
+
+
+def test_memstate_function_prints_one_json_line(tmp_path):
+    import json
+    import shutil
+    import subprocess
+
+    if not shutil.which("awk") or not Path("/proc/buddyinfo").exists():
+        pytest.skip("needs awk and /proc/buddyinfo")
+    out = subprocess.run(["sh", "-c", reclaim.memstate_function() + "\nmemstate 'before 0'"],
+                         capture_output=True, text=True, check=True).stdout
+    rec = json.loads(out)
+    assert rec["prog"] == "memstate" and rec["tag"] == "before 0"
+    assert len(rec["free_blocks"]) >= 11 and rec["memfree_kib"] > 0
+
+
+def test_probe_reports_smaller_blocks_after_the_settle_and_restores_the_order():
+    assert "probe" not in reclaim.guest_script(reclaim.ReclaimParams(modes=("4k",)))
+    script = reclaim.guest_script(reclaim.ReclaimParams(modes=("4k",), probe_order=0))
+    assert (script.index("memstate 'settled 0'") < script.index("FREEPAGE-EVENT probe 0")
+            < script.index("echo 0 > /sys/kernel/mm/page_reporting/order")
+            < script.index("echo $o > /sys/kernel/mm/page_reporting/order")
+            < script.index("FREEPAGE-EVENT probed 0"))
+    # stock kernels have no order knob: the probe only waits
+    assert "else sleep 2; fi" in reclaim.probe_below_order(0)
+
+
+def test_guest_table_shows_where_the_free_memory_went():
+    rounds = [_round(0.2, 0.3, 0.4, 1.01) | {"left_behind_mib": -3.0}
+              | reclaim.memstate_change(MEMSTATE_BEFORE, MEMSTATE_SETTLED)
+              | {"probe_released_mib": 13.0}]
+    s = reclaim.summarise(rounds)
+    text = reclaim.guest_table({"freepage": {"4k": s}}, ("4k",))
+    assert "13.0 [13.0-13.0]" in text and "18.6 [18.6-18.6]" in text
+    assert reclaim.guest_table({"freepage": {"4k": reclaim.summarise([_round(1, 1, 1, 1)])}},
+                               ("4k",)) == ""
+
+
+def test_trace_samples_the_counters_through_the_boot_and_stops_before_the_end():
+    assert "tracer" not in reclaim.guest_script(reclaim.ReclaimParams(modes=("4k",)))
+    script = reclaim.guest_script(reclaim.ReclaimParams(modes=("4k",), trace_ms=200))
+    assert "reporting() {" in script and "sleep 0.200" in script
+    assert (script.index("tracer=$!") < script.index("FREEPAGE-EVENT populate 0")
+            < script.index("kill $tracer") < script.index("REPORTING-COUNTER"))

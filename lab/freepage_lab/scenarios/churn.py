@@ -25,7 +25,7 @@ of every process in the guest's group, children included, plus the
 vhost-user-balloon daemon on UML) right before and after the loop.
 Reported per variant: median [min-max] over boots of the per-iteration
 alloc + touch time, guest minor faults, host faults and VMM CPU, and the
-ratio to stock (bootstrap 95% interval).
+ratios to reporting off and to stock (bootstrap 95% interval).
 
 This module also holds what pagefault and idle share: the boot plan, the
 window between two marks and the guest's reporting counters.
@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 from .. import harness
 from ..context import RunContext
-from ..guestshell import BALLOON_BOUND, REPORTING_COUNTERS, reporting_snapshot
+from ..guestshell import BALLOON_BOUND, REPORTING_COUNTERS, reporting_snapshot, reporting_tracer
 from ..initramfs import EVENT
 from ..procfs import Usage
 from ..shell import LabError
@@ -145,9 +145,7 @@ def churn_script(p: ChurnParams) -> str:
     loop = (f"churn --mib {p.churn_mib} --iterations {p.iterations} --sleep-ms {p.sleep_ms} "
             "--tag churn")
     if p.trace_ms:
-        pause = f"{p.trace_ms // 1000}.{p.trace_ms % 1000:03d}"
-        loop = (f"( while :; do reporting \"t=$(cut -d' ' -f1 /proc/uptime)\"; sleep {pause}; "
-                f"done ) & tracer=$!\n{loop}\nkill $tracer || true")
+        loop = f"{reporting_tracer(p.trace_ms)}\n{loop}\nkill $tracer || true"
     return "\n".join([
         BALLOON_BOUND, reporting_snapshot(),
         f"sleep {p.settle_s}",
@@ -192,10 +190,10 @@ METRICS = (("alloc_ms", "alloc+touch ms"), ("guest_faults", "guest faults"),
 
 
 def summarise_churn(boots: Sequence[ChurnBoot], variants: Sequence[str],
-                    baseline: str = "stock") -> dict[str, Any]:
-    """Per variant and metric: summary over boots and the ratio to `baseline`."""
+                    baselines: Sequence[str] = ("off", "stock")) -> dict[str, Any]:
+    """Per variant and metric: summary over boots and the ratio to each of
+    `baselines` that has boots (reporting off is what the goal is against)."""
     out: dict[str, Any] = {}
-    base = [b for b in boots if b.variant == baseline]
     for v in variants:
         mine = [b for b in boots if b.variant == v]
         if not mine:
@@ -205,9 +203,9 @@ def summarise_churn(boots: Sequence[ChurnBoot], variants: Sequence[str],
         for key, _ in METRICS:
             xs = [float(getattr(b, key)) for b in mine]
             entry[key] = summarise(xs).as_dict()
-            if base and v != baseline:
-                a = [float(getattr(b, key)) for b in base]
-                if statistics.median(a):
+            for baseline in baselines:
+                a = [float(getattr(b, key)) for b in boots if b.variant == baseline]
+                if a and v != baseline and statistics.median(a):
                     entry[f"{key}_ratio_to_{baseline}"] = median_ratio(a, xs).as_dict()
         rep = [b for b in mine if b.reporting]
         if rep:
@@ -220,6 +218,11 @@ def summarise_churn(boots: Sequence[ChurnBoot], variants: Sequence[str],
 
 def spread(s: dict, fmt: str = "{:.0f}") -> str:
     return f"{fmt.format(s['median'])} [{fmt.format(s['min'])}-{fmt.format(s['max'])}]"
+
+
+def table_baseline(summary: dict[str, Any]) -> str:
+    """The variant the table's ratios are to: reporting off if it was measured."""
+    return "off" if "off" in summary else "stock"
 
 
 def churn_table(summary: dict[str, Any], baseline: str = "stock") -> str:
@@ -265,5 +268,6 @@ class Churn(Scenario):
         text = (f"churn ({ctx.platform}, guest {params.mem_mib} MiB, {params.churn_mib} MiB x "
                 f"{params.iterations} per boot; per iteration, median [min-max] over boots; "
                 "ratios: median with bootstrap 95% interval; passes/reported/reused: "
-                "the series' counters over the loop)\n" + churn_table(summary) + note)
+                "the series' counters over the loop)\n"
+                + churn_table(summary, table_baseline(summary)) + note)
         return Outcome(self.name, data, text)

@@ -27,15 +27,21 @@ from ..footprint import Sample, analyse_reclaim, value_at
 from ..guestshell import (
     BALLOON_BOUND,
     COUNTER_TAG,
+    FLUSH,
+    MEMSTATE_PROG,
     REPORTING_DIR,
+    memstate_function,
     pcp_high_fraction,
     reporting_counters,
+    reporting_snapshot,
+    reporting_tracer,
     thp,
 )
 from ..initramfs import EVENT
 from ..plot import timeline_plot
 from ..shell import LabError
 from . import Outcome, Scenario, fmt_s, table
+from .churn import reporting_trace
 
 MIB = 1 << 20
 # reclaim goals: (fraction of the freed memory, within seconds of the free)
@@ -63,6 +69,13 @@ class ReclaimParams:
     # default (per-cpu lists may hold 1/8 of a zone; stock 6.12 never
     # reports what they hold, the series drains them after a bulk free)
     pcp_high_fraction: int = 0
+    # after each settle, on a kernel with the series' knobs: report every
+    # free block of this order or above once (then restore the order), to
+    # measure what the host still backs in smaller free blocks; -1: no probe
+    probe_order: int = -1
+    # series only: print the reporting counters every N ms through the
+    # boot (a diagnostic: the sampler costs the guest some CPU); 0: off
+    trace_ms: int = 0
     timeout_s: int = 300
 
 
@@ -72,19 +85,37 @@ def rounds_of(p: ReclaimParams) -> list[str]:
 
 
 def guest_script(p: ReclaimParams) -> str:
-    lines = [BALLOON_BOUND, "echo 3 > /proc/sys/vm/drop_caches",
+    lines = [BALLOON_BOUND, memstate_function(), "echo 3 > /proc/sys/vm/drop_caches",
              thp("madvise")]
     if p.pcp_high_fraction:
         lines.append(pcp_high_fraction(p.pcp_high_fraction))
+    if p.trace_ms:
+        lines += [reporting_snapshot(), reporting_tracer(p.trace_ms)]
     for i, mode in enumerate(rounds_of(p)):
         lines += [
+            f"memstate 'before {i}'",
             f"echo {EVENT} populate {i}",
             f"populate --mib {p.populate_mib} --mode {mode} --fill {p.fill} --tag reclaim",
             f"echo {EVENT} freed {i}",
             f"sleep {p.settle_s}",
+            f"memstate 'settled {i}'",
         ]
+        if p.probe_order >= 0:
+            lines += [f"echo {EVENT} probe {i}", probe_below_order(p.probe_order),
+                      f"memstate 'probed {i}'", f"echo {EVENT} probed {i}"]
+    if p.trace_ms:
+        lines.append("kill $tracer || true")
     lines.append(reporting_counters())
     return "\n".join(lines) + "\n"
+
+
+def probe_below_order(order: int) -> str:
+    """Guest shell: lower the reporting order to `order`, report everything
+    free once, wait for the host, put the order back (nothing on stock)."""
+    knob = f"{REPORTING_DIR}/order"
+    return (f"if [ -w {knob} ]; then o=$(cat {knob}); echo {order} > {knob}; "
+            f"echo 1000000 > {FLUSH} 2>/dev/null || true; sleep 2; echo $o > {knob}; "
+            "else sleep 2; fi")
 
 
 def parse_counters(lines: list[str]) -> dict[str, int | list[int]]:
@@ -110,6 +141,8 @@ class Boot:
     timeline: dict[str, list[float]]
     huge_timeline: dict[str, list[float]] = field(default_factory=dict)
     counters: dict[str, int | list[int]] = field(default_factory=dict)
+    # the series' counters every trace_ms (seconds since the guest's boot)
+    trace: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ReclaimScenario(Scenario):
@@ -126,9 +159,9 @@ class ReclaimScenario(Scenario):
             raise LabError("reclaim: needs at least one variant, repeat >= 1 and rounds >= 1")
         variants = [harness.CONTEXT if n == CONTEXT else known[n] for n in params.variants]
         n = len(rounds_of(params))
+        steps = ("populate", "freed") + (("probe", "probed") if params.probe_order >= 0 else ())
         plan = self.plan(params, guest_script(params), "reclaim",
-                         marks=tuple(f"{what} {i}" for i in range(n)
-                                     for what in ("populate", "freed")),
+                         marks=tuple(f"{what} {i}" for i in range(n) for what in steps),
                          footprint_s=params.interval_s, huge_s=0.1)
         ctx.initrd(plan.initrd, plan.script)
         if ctx.shell.dry_run:  # each variant's command line once
@@ -152,18 +185,32 @@ class ReclaimScenario(Scenario):
         freed_bytes = params.populate_mib * MIB
         t0 = booted.guest.started
         ends = [*populate[1:], samples[-1].t if samples else float("inf")]
+        probed: list[dict[str, Any]] = [{} for _ in range(n)]
+        if params.probe_order >= 0:
+            # a round ends where its probe starts; the probe's own effect apart
+            for i in range(n):
+                tq, tqd = booted.marks[f"probe {i}"].line.t, booted.marks[f"probed {i}"].line.t
+                ends[i] = tq
+                if samples:
+                    probed[i] = {"probe_order": params.probe_order, "probe_released_mib":
+                                 (value_at(samples, tq) - value_at(samples, tqd)) / MIB}
         rounds = []
+        states = {r["tag"]: r for r in booted.records(MEMSTATE_PROG)}
         for i, (mode, tp, tf, te) in enumerate(zip(rounds_of(params), populate, freed, ends)):
             part = [s for s in samples if tp <= s.t < te]
-            r = analyse_reclaim(part, tf, freed_bytes)
-            rounds.append(asdict(r) | {"t_freed_s": tf - t0, "mode": mode, "round": i}
-                          | _backing(samples, booted.huge, tp, tf, te))
+            rounds.append(analyse_round(part, value_at(samples, tp) if samples else 0, tf,
+                                        freed_bytes)
+                          | {"t_freed_s": tf - t0, "mode": mode, "round": i}
+                          | _backing(samples, booted.huge, tp, tf, te)
+                          | memstate_change(states.get(f"before {i}"),
+                                            states.get(f"settled {i}"))
+                          | probed[i])
         return Boot(booted.variant.name, rep, rounds, booted.footprint_hz,
                     {"t_s": [s.t - t0 for s in samples],
                      "footprint_mib": [s.bytes / MIB for s in samples]},
                     {"t_s": [s.t - t0 for s in booted.huge],
                      "anon_huge_mib": [s.bytes / MIB for s in booted.huge]},
-                    parse_counters(booted.lines))
+                    parse_counters(booted.lines), reporting_trace(booted.records()))
 
     def _report(self, ctx: RunContext, params: ReclaimParams, boots: list[Boot]) -> Outcome:
         rates = [b.sample_rate_hz for b in boots]
@@ -208,6 +255,10 @@ class ReclaimScenario(Scenario):
                 f"{min(rates):.0f}-{max(rates):.0f} Hz; median [min-max] of "
                 f"{params.repeat * params.rounds} rounds)\n"
                 + release_table(summary, params.modes))
+        guest = guest_table(summary, params.modes)
+        if guest:
+            text += ("\n\nchange from before the populate to the end of the settle, MiB, "
+                     "median [min-max]\n" + guest)
         if any(s.get("anon_huge_mib") for v in summary.values() for s in v.values()):
             text += "\n\nhost THP backing (AnonHugePages of the VMM, MiB, median)\n" + \
                 backing_table(summary, params.modes)
@@ -217,6 +268,54 @@ class ReclaimScenario(Scenario):
                 for cs in counters)
         ctx.save(label, data)
         return Outcome(self.name, data, text, [str(plot)])
+
+
+PAGE = 4096
+
+
+def analyse_round(samples: list[Sample], base: int, t_freed: float,
+                  freed_bytes: int) -> dict[str, Any]:
+    """One round against what the populate added to the host footprint.
+
+    The populate's pages are not all new to the host: some were backed
+    already (the guest had used them since boot), so the footprint grows
+    by less than the populate's size. What the free can give back is
+    that growth (`base` is the footprint before the populate): t50/t90/
+    t99 and `fraction` are of it; `fraction_of_freed` and `t99_of_freed_s`
+    keep the populate's size as the yardstick, `left_behind_mib` is the
+    lowest footprint after the free less the one before the populate.
+    """
+    of_freed = analyse_reclaim(samples, t_freed, freed_bytes)
+    added = of_freed.before_bytes - base
+    r = analyse_reclaim(samples, t_freed, added) if added > 0 else of_freed
+    return asdict(r) | {"added_bytes": added, "fraction_of_freed": of_freed.fraction,
+                        "t99_of_freed_s": of_freed.t99_s,
+                        "left_behind_mib": (r.after_bytes - base) / MIB}
+
+
+def memstate_change(before: dict[str, Any] | None,
+                    settled: dict[str, Any] | None) -> dict[str, Any]:
+    """Where the guest's free memory went between before the populate and
+    the end of the settle (MiB): free blocks below the reporting order
+    (reporting never sees them), at or above it, on the per-cpu lists.
+    Without a reporting device the order is -1: the largest order stands in."""
+    if not before or not settled:
+        return {}
+    order = int(settled["reporting_order"])
+    if order < 0:
+        order = len(settled["free_blocks"]) - 1
+
+    def mib(state: dict[str, Any], low: bool) -> float:
+        return sum(n << o for o, n in enumerate(state["free_blocks"])
+                   if (o < order) == low) * PAGE / MIB
+
+    return {"reporting_order": order,
+            "guest_free_below_order_mib": mib(settled, True) - mib(before, True),
+            "guest_free_at_order_mib": mib(settled, False) - mib(before, False),
+            "guest_pcp_mib": (settled["pcp_pages"] - before["pcp_pages"]) * PAGE / MIB,
+            "guest_memfree_mib": (settled["memfree_kib"] - before["memfree_kib"]) / 1024,
+            "guest_free_below_order_settled_mib": mib(settled, True),
+            "guest_pcp_settled_mib": settled["pcp_pages"] * PAGE / MIB}
 
 
 def _fmt_counter(c: int | list[int]) -> str:
@@ -250,9 +349,18 @@ def spread(xs: list[float | None]) -> dict[str, Any]:
             "reached": sum(1 for x in xs if x is not None)}
 
 
+GUEST_CHANGES = ("guest_free_below_order_mib", "guest_free_at_order_mib", "guest_pcp_mib",
+                 "guest_memfree_mib", "guest_free_below_order_settled_mib",
+                 "guest_pcp_settled_mib", "probe_released_mib")
+
+
 def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {k: spread([r[k] for r in rounds])
-                           for k in ("t50_s", "t90_s", "t99_s", "fraction")}
+    out: dict[str, Any] = {k: spread([r.get(k) for r in rounds])
+                           for k in ("t50_s", "t90_s", "t99_s", "fraction", "fraction_of_freed",
+                                     "t99_of_freed_s", "left_behind_mib")}
+    for k in GUEST_CHANGES:
+        if rounds and all(k in r for r in rounds):
+            out[k] = spread([r[k] for r in rounds])
     out["released_mib"] = spread([(r["before_bytes"] - r["after_bytes"]) / MIB for r in rounds])
     for frac, within in GOALS:
         key = f"t{round(frac * 100)}_s"
@@ -291,9 +399,37 @@ def release_table(summary: dict[str, dict[str, dict[str, Any]]], modes: tuple[st
                 g = s[f"t{round(frac * 100)}_within_{within:g}s"]
                 goals.append(f"{'yes' if g['met'] else 'no'} ({g['rounds']}/{g['of']})")
             rows.append([mode, v, _cell(s["t50_s"]), _cell(s["t90_s"]), _cell(s["t99_s"]),
-                         _cell(s["fraction"], pct=True), *goals])
+                         _cell(s["fraction"], pct=True), _cell(s["fraction_of_freed"], pct=True),
+                         _mib(s["left_behind_mib"]), *goals])
     return table(["mode", "variant", "t50 s", "t90 s", "t99 s", "released",
-                  ">=90% in 1 s", ">=99% in 2 s"], rows)
+                  "of populate size", "left behind MiB", ">=90% in 1 s", ">=99% in 2 s"],
+                 rows) + ("\n(times and released: of what the populate added to the host "
+                          "footprint; left behind: lowest footprint after the free less the "
+                          "one before the populate)")
+
+
+def _mib(s: dict[str, Any]) -> str:
+    if s["n"] == 0 or s["median"] is None or s["min"] is None or s["max"] is None:
+        return "n/a"
+    return f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}]"
+
+
+def guest_table(summary: dict[str, dict[str, dict[str, Any]]], modes: tuple[str, ...]) -> str:
+    """Where the guest's free memory grew from before the populate to the
+    end of the settle, beside what the host kept (and what a report of
+    every smaller block then released)."""
+    rows = []
+    for mode in modes:
+        for v, per_mode in summary.items():
+            s = per_mode[mode]
+            if "guest_memfree_mib" not in s:
+                continue
+            rows.append([mode, v, _mib(s["left_behind_mib"]),
+                         *(_mib(s[k]) if k in s else "-" for k in GUEST_CHANGES)])
+    return table(["mode", "variant", "host: left behind", "guest: free below order",
+                  "free at/above order", "per-cpu lists", "MemFree",
+                  "settled: free below order", "settled: per-cpu lists",
+                  "host: released by the probe"], rows) if rows else ""
 
 
 def backing_table(summary: dict[str, dict[str, dict[str, Any]]], modes: tuple[str, ...]) -> str:
