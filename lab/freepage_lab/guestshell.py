@@ -103,8 +103,8 @@ def reporting_snapshot() -> str:
     ])
 
 
-# stock 6.12's reporting order (the series' is REPORTING_DIR/order)
-STOCK_REPORTING_ORDER = "/sys/module/page_reporting/parameters/page_reporting_order"
+# the reporting order: a module parameter, on stock 6.12 and on the series
+REPORTING_ORDER = "/sys/module/page_reporting/parameters/page_reporting_order"
 MEMSTATE_PROG = "memstate"
 
 
@@ -119,8 +119,7 @@ def memstate_function() -> str:
         " END {for (i = 0; i <= n; i++) printf \"%s%d\", (i ? \",\" : \"\"), s[i]}' /proc/buddyinfo)",
         "\tp=$(awk '$1 == \"count:\" {s += $2} END {print s + 0}' /proc/zoneinfo)",
         "\tf=$(awk '$1 == \"MemFree:\" {print $2}' /proc/meminfo)",
-        f"\to=$(cat {REPORTING_DIR}/order 2>/dev/null || cat {STOCK_REPORTING_ORDER} 2>/dev/null"
-        " || echo -1)",
+        f"\to=$(cat {REPORTING_ORDER} 2>/dev/null || echo -1)",
         f"\tprintf '{{\"prog\":\"{MEMSTATE_PROG}\",\"tag\":\"%s\",\"free_blocks\":[%s],"
         "\"pcp_pages\":%s,\"memfree_kib\":%s,\"reporting_order\":%s}\\n' "
         "\"$1\" \"$b\" \"$p\" \"$f\" \"$o\"",

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from freepage_lab import cli, demo, harness, kernel
+from freepage_lab.guestshell import REPORTING_ORDER
 from freepage_lab.scenarios import reclaim
 from freepage_lab.shell import LabError, Shell
 
@@ -185,10 +186,10 @@ def test_probe_reports_smaller_blocks_after_the_settle_and_restores_the_order():
     assert "probe" not in reclaim.guest_script(reclaim.ReclaimParams(modes=("4k",)))
     script = reclaim.guest_script(reclaim.ReclaimParams(modes=("4k",), probe_order=0))
     assert (script.index("memstate 'settled 0'") < script.index("FREEPAGE-EVENT probe 0")
-            < script.index("echo 0 > /sys/kernel/mm/page_reporting/order")
-            < script.index("echo $o > /sys/kernel/mm/page_reporting/order")
+            < script.index(f"echo 0 > {REPORTING_ORDER}")
+            < script.index(f"echo $o > {REPORTING_ORDER}")
             < script.index("FREEPAGE-EVENT probed 0"))
-    # stock kernels have no order knob: the probe only waits
+    # stock kernels have no flush: the probe only waits
     assert "else sleep 2; fi" in reclaim.probe_below_order(0)
 
 

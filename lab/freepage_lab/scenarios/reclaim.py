@@ -30,6 +30,7 @@ from ..guestshell import (
     FLUSH,
     MEMSTATE_PROG,
     REPORTING_DIR,
+    REPORTING_ORDER,
     memstate_function,
     pcp_high_fraction,
     reporting_counters,
@@ -112,8 +113,8 @@ def guest_script(p: ReclaimParams) -> str:
 def probe_below_order(order: int) -> str:
     """Guest shell: lower the reporting order to `order`, report everything
     free once, wait for the host, put the order back (nothing on stock)."""
-    knob = f"{REPORTING_DIR}/order"
-    return (f"if [ -w {knob} ]; then o=$(cat {knob}); echo {order} > {knob}; "
+    knob = REPORTING_ORDER
+    return (f"if [ -w {FLUSH} ]; then o=$(cat {knob}); echo {order} > {knob}; "
             f"echo 1000000 > {FLUSH} 2>/dev/null || true; sleep 2; echo $o > {knob}; "
             "else sleep 2; fi")
 
