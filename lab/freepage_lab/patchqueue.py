@@ -144,6 +144,7 @@ BASE_COMMIT = {**COMMITTER, "GIT_AUTHOR_NAME": COMMITTER["GIT_COMMITTER_NAME"],
 
 
 BASE_TAG = "freepage-base"
+CHECKPATCH_CACHE = ".checkpatch-camelcase.*"
 
 
 def work_tree(shell: Shell, base: Path, dest: Path, queues: Sequence[Queue],
@@ -174,6 +175,11 @@ def work_tree(shell: Shell, base: Path, dest: Path, queues: Sequence[Queue],
     shell.run([*git, "config", "gc.auto", "0"], what="git config gc.auto")
     # Debian's kernel tree ignores everything in its top .gitignore ("/*")
     shell.run([*git, "add", "-f", "-A"], what="git add")
+    # checkpatch.pl caches what it learnt of the tree in the directory it
+    # runs in (the base); the cache is not the source, and would change
+    # the base commit, and every base-commit line of an export, with it
+    shell.run([*git, "rm", "-q", "--cached", "--ignore-unmatch", CHECKPATCH_CACHE],
+              what="git rm checkpatch's cache")
     shell.run([*git, "commit", "-q", "-m", base_subject], env=BASE_COMMIT, what="git commit base")
     shell.run([*git, "tag", BASE_TAG], what="git tag")
     for q in queues:

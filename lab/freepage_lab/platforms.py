@@ -80,7 +80,7 @@ class Platform:
 PLATFORMS: dict[str, Platform] = {p.name: p for p in (
     Platform("uml", "um", "uml", ("4k",), balloon_daemon=True,
              about="User-Mode Linux, native speed, vhost-user-balloon"),
-    Platform("qemu", "x86_64", "qemu", ("4k", "thp", "hugetlb"), patched_qemu=True,
+    Platform("qemu", "x86_64", "qemu", ("4k", "thp", "hugetlb", "hugetlb-1g"), patched_qemu=True,
              icount="shift=0,sleep=off",
              about="QEMU x86_64 (TCG unless hardware KVM), virtio-balloon-pci"),
     Platform("arm64", "arm64", "arm64", ("4k", "thp", "hugetlb"), icount="shift=0",

@@ -171,3 +171,17 @@ def test_export_carries_a_folded_subject_whole() -> None:
            "*** BLURB HERE ***\n\nfreepage (5):\n  mm: one\n")
     out = patchqueue.carry_cover(old, new)
     assert "Subject: [PATCH 0/5] migration: a long title, folded\n\nText.\n\n" in out
+
+
+def test_the_base_commit_is_the_source_whatever_checkpatch_left_beside_it(tmp_path, queues):
+    """checkpatch.pl writes its cache into the base tree it runs in: two
+    work trees made before and after a check have the same base commit
+    (every export's base-commit line names it)."""
+    stack = patchqueue.stack(queues, queues["second"])
+    patchqueue.work_tree(Shell(quiet=True), tmp_path / "base", tmp_path / "t1", stack,
+                         "base", "base", 7)
+    (tmp_path / "base" / ".checkpatch-camelcase.date.202611141256").write_text("cache\n")
+    patchqueue.work_tree(Shell(quiet=True), tmp_path / "base", tmp_path / "t2", stack,
+                         "base", "base", 7)
+    assert (git(tmp_path / "t1", "rev-parse", "freepage-base")
+            == git(tmp_path / "t2", "rev-parse", "freepage-base"))
