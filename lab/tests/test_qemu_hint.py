@@ -130,8 +130,13 @@ def migrate(lab, variant: str, mode: str, workload: str, source_args: tuple[str,
                          ids=["precopy", "postcopy", "multifd", "precopy-memfd"])
 def test_pages_reused_after_a_hint_arrive_with_what_the_guest_wrote(lab, mode,
                                                                      shared_memfd) -> None:
+    # postcopy: precopy at 256 MiB/s switches with most of the RAM unsent,
+    # and a 32 MiB/s background stream leaves the destination's guest
+    # seconds in which it must ask for the pages it touches (a quiet host
+    # otherwise pushes the rest before the guest faults on any)
+    slow = {"max_bandwidth_mib_s": 256, "postcopy_bandwidth_mib_s": 32} if mode == "postcopy" else {}
     rec = migrate(lab, "hint-reported", mode, "reuse", workload_s=20, postcopy_after_ms=50,
-                  shared_memfd=shared_memfd)
+                  shared_memfd=shared_memfd, **slow)
     assert rec["workload_rate"], "reuse did not report"
     if mode == "postcopy":
         assert rec["postcopy_mib"], "the migration completed before it switched to postcopy"
