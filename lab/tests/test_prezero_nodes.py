@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from freepage_lab import kernel
+from freepage_lab import kernel, kunit
 from freepage_lab.guestshell import PREZERO_DIR
 from freepage_lab.guestshell import prezero_helpers as shell_helpers
 from freepage_lab.initramfs import EVENT
@@ -73,10 +73,10 @@ def nodevm(lines: list[str], mark: str) -> dict[int, dict[str, int]]:
     return out
 
 
-def boot_nodes(lab, name: str, script: str):
+def boot_nodes(lab, name: str, script: str, cmdline: tuple[str, ...] = ()):
     ctx = lab.context("qemu", patched=True, extra_fragments=FRAGMENTS)
     return lab.boot(ctx, name, script, lab.BARE, mem_mib=MEM_MIB, smp=NODES,
-                    numa_nodes=NODES, timeout_s=420)
+                    numa_nodes=NODES, cmdline=cmdline, timeout_s=420)
 
 
 def test_prezero_clears_each_node_from_its_own_cpus_on_qemu(lab):
@@ -86,7 +86,12 @@ def test_prezero_clears_each_node_from_its_own_cpus_on_qemu(lab):
 
     With one global thread (allowed on every CPU, walking every node's
     zones) there was one thread, named kprezerod, with CPUs 0-1."""
-    lines = boot_nodes(lab, "prezero-nodes", nodes_script()).lines
+    # loglevel 7 shows the KTAP lines of the KUnit suites the boot runs
+    lines = boot_nodes(lab, "prezero-nodes", nodes_script(), ("loglevel=7",)).lines
+    # the boot ran the KUnit suites, on two nodes
+    res = kunit.parse(lines)
+    assert res.suites.get("page_prezero", {}).get("pass", 0) > 0, res.suites
+    assert not res.failed, (res.failed, res.suites)
     cpus = {int(n): c for n, c in events(lines, "nodecpus")}
     threads = {t[0]: t[2] for t in events(lines, "thread")}
     assert len(cpus) == NODES and all(cpus.values()), (cpus, lines[-20:])
