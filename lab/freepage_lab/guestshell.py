@@ -204,23 +204,27 @@ def require_prezero(who: str) -> str:
 
 
 def kcpu_function() -> str:
-    """Shell function kcpu: prints kprezerod's CPU time in ns and where it
-    came from: "schedstat" (the scheduler's runtime, CONFIG_SCHED_INFO,
+    """Shell function kcpu: prints the CPU time in ns of the kprezerod
+    threads (one per node with memory, kprezerod/<nid>), summed, and where
+    it came from: "schedstat" (the scheduler's runtime, CONFIG_SCHED_INFO,
     which bench.config turns on; exact where sched_clock() is, e.g. x86,
     in jiffies on UML), "ticks" (utime + stime, which miss a thread that
-    runs between ticks) or "none" (no thread yet: exactly 0)."""
+    runs between ticks; so for the sum if one thread has no schedstat) or
+    "none" (no thread yet: exactly 0)."""
     tick_ns = 10**9 // USER_HZ
     return "\n".join([
         "kcpu() {",
+        "\tns=0; src=none",
         "\tfor s in /proc/[0-9]*/stat; do",
-        "\t\tcase \"$(cat $s 2>/dev/null)\" in *'(kprezerod)'*)",
-        "\t\t\tif [ -r ${s%/stat}/schedstat ]; then",
-        "\t\t\t\techo \"$(cut -d' ' -f1 ${s%/stat}/schedstat) schedstat\"",
+        "\t\tcase \"$(cat $s 2>/dev/null)\" in *'(kprezerod)'*|*'(kprezerod/'*)",
+        "\t\t\tif [ -r ${s%/stat}/schedstat ] && [ $src != ticks ]; then",
+        "\t\t\t\tns=$((ns + $(cut -d' ' -f1 ${s%/stat}/schedstat))); src=schedstat",
         "\t\t\telse",
-        f"\t\t\t\techo \"$(awk '{{print ($14 + $15) * {tick_ns}}}' $s) ticks\"",
-        "\t\t\tfi; return;; esac",
+        f"\t\t\t\tns=$((ns + $(awk '{{print ($14 + $15) * {tick_ns}}}' $s))); src=ticks",
+        "\t\t\tfi;;",
+        "\t\tesac",
         "\tdone",
-        "\techo '0 none'",
+        "\techo \"$ns $src\"",
         "}",
     ])
 

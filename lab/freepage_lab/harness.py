@@ -218,6 +218,8 @@ class Plan:
     # guest time counts instructions (QEMU TCG -icount)
     icount: bool = False
     smp: int = 1
+    # QEMU: NUMA nodes sharing the memory and the vCPUs (runners.numa_args)
+    numa_nodes: int = 1
     cpu: str | None = None
     # UML: run the guest on this host CPU
     host_cpu: int | None = None
@@ -348,7 +350,8 @@ def guest_config(ctx: RunContext, variant: Variant, name: str, plan: Plan,
         device_init_reported=ctx.machine.patched_qemu and zero and variant.reporting,
         device_init_on_inflate=ctx.machine.patched_qemu and zero,
         balloon_props=list(variant.device_props),
-        cpu=plan.cpu, smp=plan.smp, icount=plan.icount, host_cpu=plan.host_cpu)
+        cpu=plan.cpu, smp=plan.smp, numa_nodes=plan.numa_nodes, icount=plan.icount,
+        host_cpu=plan.host_cpu)
     return replace(cfg, **overrides)
 
 

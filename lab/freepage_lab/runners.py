@@ -47,6 +47,9 @@ class GuestConfig:
     # arm64 only: -icount shift=0, one guest instruction per virtual
     # nanosecond, so guest clocks count instructions (work, not time)
     icount: bool = False
+    # QEMU: NUMA nodes; the memory split evenly, the vCPUs in contiguous
+    # runs (nodes beyond the vCPUs have memory only)
+    numa_nodes: int = 1
     extra_args: list[str] = field(default_factory=list)
     # UML only: run the guest (every host process of it) on this host CPU
     host_cpu: int | None = None
@@ -107,6 +110,8 @@ class UmlRunner(Runner):
     name = "uml"
 
     def argv(self, cfg: GuestConfig) -> list[str]:
+        if cfg.numa_nodes > 1:
+            raise LabError("UML has one memory node: NUMA nodes need --platform qemu")
         argv = [str(cfg.kernel), f"mem={cfg.mem_mib}M", f"initrd={cfg.initrd}",
                 "con=null", "con0=null,fd:1", "console=tty0", "fp.halt=poweroff"]
         if cfg.vhost_user_balloon is not None:
@@ -142,6 +147,27 @@ QEMU_FIRMWARE_DIRS = (Path("/usr/share/qemu"), Path("/usr/share/seabios"),
 BALLOON_INIT_PROPS = {k: v for k, v in BALLOON_PROPERTIES.items() if k != "free_page_reporting"}
 
 
+def numa_args(cfg: GuestConfig, shared_memfd: bool) -> list[str]:
+    """`cfg.numa_nodes` NUMA nodes, each with its share of the memory in its
+    own backend (a shared memfd where a vhost-user daemon maps guest RAM)
+    and a contiguous run of the vCPUs; nodes past the last vCPU get none."""
+    nodes, smp = cfg.numa_nodes, cfg.smp
+    if cfg.mem_mib % nodes:
+        raise LabError(f"{cfg.mem_mib} MiB do not split evenly over {nodes} NUMA nodes")
+    size = cfg.mem_mib // nodes
+    backend = (f"memory-backend-memfd,size={size}M,share=on" if shared_memfd
+               else f"memory-backend-ram,size={size}M")
+    per_node = -(-smp // nodes)  # ceiling: every vCPU in some node
+    argv: list[str] = []
+    for n in range(nodes):
+        node = f"node,nodeid={n},memdev=ram{n}"
+        first, last = n * per_node, min((n + 1) * per_node, smp) - 1
+        if first <= last:
+            node += f",cpus={first}-{last}"
+        argv += ["-object", f"{backend},id=ram{n}", "-numa", node]
+    return argv
+
+
 class QemuRunner(Runner):
     """QEMU x86_64, TCG unless hardware KVM really works.
 
@@ -173,7 +199,7 @@ class QemuRunner(Runner):
         machine = f"pc,accel={self.accel}"
         # a vhost-user daemon maps guest RAM: it must be a shared file
         shared_memfd = cfg.shared_memfd or cfg.vhost_user_balloon is not None
-        if shared_memfd:
+        if shared_memfd and cfg.numa_nodes == 1:
             machine += ",memory-backend=mem"
         argv = [str(self.binary), "-machine", machine,
                 "-cpu", cfg.cpu or ("max" if self.accel == "tcg" else "host"), "-smp", str(cfg.smp),
@@ -183,7 +209,9 @@ class QemuRunner(Runner):
         if self.binary != STOCK_QEMU:
             for d in QEMU_FIRMWARE_DIRS:
                 argv += ["-L", str(d)]
-        if shared_memfd:
+        if cfg.numa_nodes > 1:
+            argv += numa_args(cfg, shared_memfd)
+        elif shared_memfd:
             argv += ["-object", f"memory-backend-memfd,id=mem,size={cfg.mem_mib}M,share=on"]
         if cfg.vhost_user_balloon is not None:
             argv += self.vhost_user_balloon_args(cfg)
@@ -233,6 +261,8 @@ class Arm64Runner(Runner):
         self.accel_reason = "arm64 guests are emulated"
 
     def argv(self, cfg: GuestConfig) -> list[str]:
+        if cfg.numa_nodes > 1:
+            raise LabError("NUMA nodes are a QEMU x86_64 option (--platform qemu)")
         append = " ".join(["console=ttyAMA0", "panic=-1", "fp.halt=reboot", "quiet",
                            "loglevel=4", *cfg.cmdline])
         argv = ["qemu-system-aarch64", "-machine", "virt,virtualization=on,gic-version=3",

@@ -251,7 +251,7 @@ echo {MAX_ORDER} > {PREZERO_DIR}/min_order
 echo 1 > {PREZERO_DIR}/enabled
 # the thread clears on the first CPU while the reservations run on the second
 for p in /proc/[0-9]*; do
-\t[ "$(cat $p/comm 2>/dev/null)" = kprezerod ] && taskset -p 1 ${{p#/proc/}} >/dev/null
+\tcase "$(cat $p/comm 2>/dev/null)" in kprezerod*) taskset -p 1 ${{p#/proc/}} >/dev/null;; esac
 done
 taskset -p 2 $$ >/dev/null
 ev start all

@@ -133,8 +133,8 @@ def test_cost_windows_give_cpu_share_and_marked_pages():
 
 
 def test_cost_script_reads_kprezerod_cpu_time(tmp_path):
-    """The guest's kcpu() finds kprezerod among /proc/<pid>/stat and prefers
-    schedstat; run here against a fake /proc."""
+    """The guest's kcpu() finds the kprezerod threads among /proc/<pid>/stat,
+    sums them and prefers schedstat; run here against a fake /proc."""
     script = prezero_cost.guest_script(prezero_cost.PrezeroCostParams(walks=1), "nt", 64)
     body = script[script.index("kcpu() {"):]
     body = body[:body.index("\n}\n") + 3]
@@ -148,6 +148,17 @@ def test_cost_script_reads_kprezerod_cpu_time(tmp_path):
     (tmp_path / "42" / "schedstat").write_text("123456789 5 6\n")
     run = subprocess.run(["sh", "-c", fake + "kcpu"], capture_output=True, text=True)
     assert run.stdout.split() == ["123456789", "schedstat"], run
+    # one thread per node: kprezerod/<nid>, summed
+    (tmp_path / "43").mkdir()
+    (tmp_path / "43" / "stat").write_text("43 (kprezerod/1) S " + " ".join(["0"] * 10)
+                                          + " 0 0 0 0\n")
+    (tmp_path / "43" / "schedstat").write_text("1000 5 6\n")
+    run = subprocess.run(["sh", "-c", fake + "kcpu"], capture_output=True, text=True)
+    assert run.stdout.split() == ["123457789", "schedstat"], run
+    for pid in ("42", "43"):
+        (tmp_path / pid / "schedstat").unlink()
+    run = subprocess.run(["sh", "-c", fake + "kcpu"], capture_output=True, text=True)
+    assert run.stdout.split() == ["70000000", "ticks"], run
 
 
 def test_cost_summary_compares_with_off():

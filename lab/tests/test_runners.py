@@ -1,8 +1,10 @@
 from pathlib import Path
 
+import pytest
+
 from freepage_lab import runners
 from freepage_lab.runners import GuestConfig, QemuRunner, UmlRunner
-from freepage_lab.shell import Shell
+from freepage_lab.shell import LabError, Shell
 
 
 def cfg(**kw):
@@ -87,3 +89,29 @@ def test_qemu_shared_memfd_ram_keeps_the_virtio_balloon():
     assert argv[argv.index("-machine") + 1] == "pc,accel=tcg,memory-backend=mem"
     assert "memory-backend-memfd,id=mem,size=1024M,share=on" in argv
     assert argv[argv.index("-device") + 1].startswith("virtio-balloon-pci,")
+
+
+def test_qemu_numa_nodes_split_memory_and_cpus():
+    argv = QemuRunner(Shell(), accel="tcg").argv(cfg(mem_mib=1024, smp=2, numa_nodes=2))
+    assert argv[argv.index("-machine") + 1] == "pc,accel=tcg"
+    opts = [argv[i + 1] for i, a in enumerate(argv) if a in ("-object", "-numa")]
+    assert opts[:4] == ["memory-backend-ram,size=512M,id=ram0", "node,nodeid=0,memdev=ram0,cpus=0-0",
+                        "memory-backend-ram,size=512M,id=ram1", "node,nodeid=1,memdev=ram1,cpus=1-1"]
+    assert argv[argv.index("-m") + 1] == "1024M"
+
+
+def test_qemu_numa_node_past_the_cpus_has_memory_only_and_shared_ram():
+    argv = QemuRunner(Shell(), accel="tcg").argv(cfg(mem_mib=1024, numa_nodes=2,
+                                                     shared_memfd=True))
+    # the per-node backends replace the machine's single one
+    assert argv[argv.index("-machine") + 1] == "pc,accel=tcg"
+    assert "memory-backend-memfd,size=512M,share=on,id=ram1" in argv
+    assert "node,nodeid=0,memdev=ram0,cpus=0-0" in argv
+    assert "node,nodeid=1,memdev=ram1" in argv
+
+
+def test_numa_nodes_refused_where_the_platform_has_none():
+    with pytest.raises(LabError, match="does not split|split evenly"):
+        QemuRunner(Shell(), accel="tcg").argv(cfg(mem_mib=1000, numa_nodes=3))
+    with pytest.raises(LabError, match="UML"):
+        UmlRunner(Shell()).argv(cfg(numa_nodes=2))
