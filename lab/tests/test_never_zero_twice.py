@@ -1,5 +1,6 @@
 """The kernel series on real guests: KUnit on UML, verified populates on QEMU and UML."""
 
+import os
 import time
 
 import pytest
@@ -183,7 +184,26 @@ def test_reported_memory_reads_zero_and_zeroing_is_skipped(lab, platform):
         assert entry["on"]["pgzero_skipped"] > 0, (mode, out.table)
 
 
-def test_deflated_pages_are_known_zero_under_bit_7(lab):
+# How the guest waits for the inflate and the deflate (at most 150 s): with
+# shell builtins every 500 ms, or with awk every 100 ms, a fork every 100 ms
+# like a busy guest
+DEFLATE_POLLS = {
+    "quiet": ("marked() { while read -r k v; do [ \"$k\" = pgzero_marked_freed ] && return; "
+              "done < /proc/vmstat; }", "0.5", 300),
+    "busy": ("marked() { v=$(awk '$1 == \"pgzero_marked_freed\" {print $2}' /proc/vmstat); }",
+             "0.1", 1500),
+}
+
+
+# `make test` runs the busy guest, the case merges used to cost up to 55%; the
+# quiet one deflates slower than the busy one in some boots (not understood
+# yet: docs/results/never-zero-twice.md) and runs with
+# FREEPAGE_DEFLATE_POLLS=quiet,busy
+RUN_POLLS = os.environ.get("FREEPAGE_DEFLATE_POLLS", "busy").split(",")
+
+
+@pytest.mark.parametrize("poll", RUN_POLLS)
+def test_deflated_pages_are_known_zero_under_bit_7(lab, poll):
     """UML + vhost-user-balloon offering bit 7 (DEVICE_INIT_ON_INFLATE): inflate
     dirty memory, deflate it, and the deflated pages come back marked zero
     (the device set their bits in the inflate bitmap) and read as zero.
@@ -192,15 +212,16 @@ def test_deflated_pages_are_known_zero_under_bit_7(lab):
     the debug kernel verifies every page whose zeroing it skips. The guest
     then faults in all but 24 MiB of its free memory, so that the deflated
     pages are used up wherever the allocator left them on the free lists:
-    a deflated page either comes back as a skipped clearing or lost its
-    state in a merge with a non-zero buddy.
+    a deflated page either comes back as a skipped clearing, lost its state
+    (pgzero_merge_lost: it merged with a buddy that was not zero, and the
+    merged block was then allocated whole), or stays free.
 
-    The guest waits for the deflate with shell builtins and a slow poll:
-    processes forked during the inflate take pages next to the balloon's and
-    free them again, and a deflated page that merges with such a free buddy
-    loses its state. A fork every 100 ms lost up to 55% of the deflated
-    pages this way, which would make the test flaky; see "Deflated pages and
-    merges" in docs/results/never-zero-twice.md.
+    Processes forked during the inflate take pages next to the balloon's and
+    free them again, so deflated pages merge with free buddies that are not
+    zero. Before merged blocks kept the state of their zero sub-blocks, a
+    fork every 100 ms ("busy") lost up to 55% of the deflated pages this way
+    (docs/results/never-zero-twice.md, "Deflated pages and merges"); both
+    polls must now lose at most 5%.
     """
     from freepage_lab.initramfs import EVENT
 
@@ -208,15 +229,17 @@ def test_deflated_pages_are_known_zero_under_bit_7(lab):
     pages = 16384  # 64 MiB
     vmstat = ("grep -E '^pgzero_(marked_freed|merge_lost|skipped|missed|verify_failed) '"
               " /proc/vmstat | tr '\\n' ' '")
+    poll_fn, interval, rounds = DEFLATE_POLLS[poll]
     script = f"""echo 1000 > /proc/sys/vm/percpu_pagelist_high_fraction
 populate --mib 256 --mode 4k --fill 165 --tag warm
 echo "{EVENT} warmed $({vmstat})"
 i=0
-marked() {{ while read -r k v; do [ "$k" = pgzero_marked_freed ] && return; done < /proc/vmstat; }}
+{poll_fn}
 marked
-until [ "$v" -ge {pages} ]; do
-  i=$((i+1)); [ $i -gt 120 ] && {{ echo 'deflated pages never marked zero' >&2; exit 5; }}
-  sleep 0.5
+base=$v
+until [ $((v - base)) -ge {pages} ]; do
+  i=$((i+1)); [ $i -gt {rounds} ] && {{ echo 'deflated pages never marked zero' >&2; exit 5; }}
+  sleep {interval}
   marked
 done
 echo "{EVENT} deflated $({vmstat})"
@@ -236,7 +259,7 @@ echo "{EVENT} populated $({vmstat})"
             assert time.monotonic() - t0 < 60, "inflate did not complete in 60 s"
             time.sleep(0.1)
         assert backend.request({"cmd": "set_target", "pages": 0})["ok"]
-        assert run.wait_exit(120) == 0
+        assert run.wait_exit(180) == 0
         state = backend.request({"cmd": "get_counters"})
     names = state["features"]["negotiated_names"]
     assert "DEVICE_INIT_ON_INFLATE" in names, names
@@ -249,15 +272,16 @@ echo "{EVENT} populated $({vmstat})"
     marked = delta("pgzero_marked_freed", "warmed", "deflated")
     lost = delta("pgzero_merge_lost", "warmed", "populated")
     skipped = delta("pgzero_skipped", "deflated", "populated")
-    print(f"deflated {pages} pages: {marked} marked zero, {lost} lost in merges, "
+    print(f"deflated {pages} pages ({poll}): {marked} marked zero, {lost} lost in merges, "
           f"{skipped} zeroing allocations skipped")
     assert marked >= pages, events
     # the KUnit suites at boot fail the check on purpose; the run must add none
     assert delta("pgzero_verify_failed", "warmed", "populated") == 0, events
     # what was neither lost nor allocated is left on the free lists (24 MiB at most)
     assert skipped + lost >= marked - 24 * 256, events
-    # a quiet guest loses 1-6% in merges (docs/results/never-zero-twice.md); losing a
-    # quarter means the deflated pages no longer stay together
+    # merged blocks keep the state of their zero sub-blocks: a busy guest lost up
+    # to 55% without that, a quiet one 1-6% (docs/results/never-zero-twice.md)
+    assert lost <= 0.05 * pages, events
     assert skipped >= 0.75 * pages, events
     assert not [ln.text for ln in g.lines if "WARNING" in ln.text]
 
