@@ -49,6 +49,7 @@ def test_kunit_suites_pass_on_qemu_smp(lab, cmdline):
     res = kunit.parse(booted.lines)
     assert "page_zeroed" in res.suites, res.suites
     assert res.ok, (res.failed, res.suites)
+    assert res.suites.get("page_reporting_zeroed", {}).get("pass") == 4, res.suites
     assert not res.skipped, res.skipped
     assert not [t for t in booted.lines if "WARNING" in t or "Bad page" in t]
 
