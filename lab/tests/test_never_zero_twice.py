@@ -24,6 +24,8 @@ def test_kunit_suites_pass_on_uml(lab, cmdline):
     assert "page_zeroed" in res.suites, res.suites
     assert res.ok, (res.failed, res.suites)
     assert res.suites["page_zeroed"]["pass"] >= 10, res.suites
+    # what reporting does with a zero mark: built with the reporting suite
+    assert res.suites.get("page_reporting_zeroed", {}).get("pass") == 4, res.suites
     # a case that skips in the configuration the lab builds proves nothing
     assert not res.skipped, res.skipped
     # the debug check counts what the suite does on purpose instead of warning,
@@ -47,6 +49,7 @@ def test_kunit_suites_pass_on_qemu_smp(lab, cmdline):
     res = kunit.parse(booted.lines)
     assert "page_zeroed" in res.suites, res.suites
     assert res.ok, (res.failed, res.suites)
+    assert res.suites.get("page_reporting_zeroed", {}).get("pass") == 4, res.suites
     assert not res.skipped, res.skipped
     assert not [t for t in booted.lines if "WARNING" in t or "Bad page" in t]
 
