@@ -167,7 +167,7 @@ def cmd_mm_selftests(args: argparse.Namespace, shell: Shell) -> int:
     configs = (tuple(c for c in ",".join(args.configs).split(",") if c)
                or tuple(mmselftests.CONFIGS))
     rc, _, text = mmselftests.run(ctx, args.runs, tests, configs,
-                                  tuple(Path(d) for d in args.with_runs))
+                                  tuple(Path(d) for d in args.with_runs), args.smp)
     print(text)
     if not shell.dry_run:
         print(f"results: {ctx.run_dir}")
@@ -293,6 +293,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--with", dest="with_runs", action="append", default=[],
                    metavar="RUN_DIR", help="add the boots of an earlier run of the same "
                    "tests to the table and the gate (repeatable)")
+    m.add_argument("--smp", type=int, default=1,
+                   help="vCPUs of every guest (races such as hugetlb_fault_after_madv's "
+                   "need more than one)")
     m.add_argument("--accel", choices=("auto", "tcg", "kvm"), default="auto")
     m.set_defaults(func=cmd_mm_selftests)
 

@@ -5,7 +5,7 @@
 boots, `runs` rounds in ABBA order, a stock 6.12 guest and the series in
 three configurations (`CONFIGS`): pre-zeroing on, the plain series (free
 page reporting on), and the series with init_on_free=1. Every guest is the
-same QEMU x86_64 guest (Debian's QEMU, TCG, one vCPU, 3 GiB, a
+same QEMU x86_64 guest (Debian's QEMU, TCG, one vCPU unless --smp, 3 GiB, a
 virtio-balloon with free-page-reporting=on), its kernel built with
 kernel/configs/mm-selftests.config, its initramfs carrying the mm selftests
 (selftests.MM, built statically from pristine 6.12) under /mm and a small
@@ -360,11 +360,12 @@ def render(boots: Sequence[Boot], tests: Sequence[Test], configs: Sequence[str])
     return table(["test", *configs], rows)
 
 
-def boot_one(ctx: RunContext, config: Config, rnd: int, tests: Sequence[Test]) -> Boot | None:
+def boot_one(ctx: RunContext, config: Config, rnd: int, tests: Sequence[Test],
+             smp: int = 1) -> Boot | None:
     """Boot one guest; a crash or a timeout is a result (the tests it did
     not finish are lost), not an error of the run."""
     plan = harness.Plan(guest_script(tests, config.setup), initrd=f"mm-{config.name}",
-                        mem_mib=MEM_MIB, cmdline=config.cmdline,
+                        mem_mib=MEM_MIB, cmdline=config.cmdline, smp=smp,
                         timeout_s=sum(t.limit_s for t in tests) + 600,
                         selftests=(MM.name,))
     name = f"mm-{config.name}-{rnd}"
@@ -387,14 +388,19 @@ def boot_one(ctx: RunContext, config: Config, rnd: int, tests: Sequence[Test]) -
     return boot
 
 
-def load_boots(run_dir: Path, tests: Sequence[Test]) -> list[Boot]:
-    """The boots of an earlier run of the same tests (its mm-selftests.json)."""
+def load_boots(run_dir: Path, tests: Sequence[Test], smp: int = 1) -> list[Boot]:
+    """The boots of an earlier run of the same tests in guests of as many
+    vCPUs (its mm-selftests.json)."""
     path = run_dir / f"{RESULT}.json"
     if not path.is_file():
         raise LabError(f"mm-selftests: {path} does not exist")
     data = json.loads(path.read_text())
     if data["tests"] != [t.name for t in tests]:
         raise LabError(f"mm-selftests: {run_dir} ran other tests; give the same --quick/--only")
+    # runs from before the option booted one vCPU
+    if data.get("smp", 1) != smp:
+        raise LabError(f"mm-selftests: {run_dir} booted guests of {data.get('smp', 1)} "
+                       f"vCPUs, not {smp}; give the same --smp")
     return [Boot(**{"run": run_dir.name, **b}) for b in data["boots"]]
 
 
@@ -414,8 +420,10 @@ def summary(boots: Sequence[Boot], tests: Sequence[Test], configs: Sequence[str]
     data = {**more, "configs": configs, "tests": [t.name for t in tests], "left_out": LEFT_OUT,
             "boots": [asdict(b) for b in boots],
             "regressions": [{"test": t, "config": c, "counts": n} for t, c, n in bad]}
+    vcpus = more.get("smp", 1)
     lines = [f"mm selftests (6.12, {len(tests)} tests), passes out of the runs; "
-             f"QEMU x86_64 TCG, {MEM_MIB} MiB, virtio-balloon free-page-reporting=on",
+             f"QEMU x86_64 TCG, {vcpus} vCPU{'s' if vcpus > 1 else ''}, {MEM_MIB} MiB, "
+             "virtio-balloon free-page-reporting=on",
              render(boots, tests, configs)]
     for b in boots:
         if b.error:
@@ -429,7 +437,7 @@ def summary(boots: Sequence[Boot], tests: Sequence[Test], configs: Sequence[str]
 
 
 def run(ctx: RunContext, runs: int, tests: Sequence[Test], configs: Sequence[str],
-        earlier: Sequence[Path] = ()) -> tuple[int, dict[str, Any], str]:
+        earlier: Sequence[Path] = (), smp: int = 1) -> tuple[int, dict[str, Any], str]:
     """Every configuration `runs` times (ABBA), with the boots of `earlier`
     runs of the same tests; exit code, JSON, table. The JSON is written
     after every boot, so that an interrupted run can join a later one."""
@@ -440,17 +448,19 @@ def run(ctx: RunContext, runs: int, tests: Sequence[Test], configs: Sequence[str
     if runs < (0 if earlier else 1):
         raise LabError("mm-selftests: --runs must be at least 1 (0 with --with: a table of "
                        "earlier runs only)")
+    if smp < 1:
+        raise LabError("mm-selftests: --smp must be at least 1")
     chosen = [CONFIGS[c] for c in configs]
-    boots = merge([b for d in earlier for b in load_boots(d, tests)])
+    boots = merge([b for d in earlier for b in load_boots(d, tests, smp)])
     start = time.monotonic()
     kernels = {c.name: str(harness.kernel(ctx, c.variant)) for c in chosen} if runs else {}
     more: dict[str, Any] = {"runs": runs, "earlier": [str(d) for d in earlier],
-                            "kernels": kernels}
+                            "kernels": kernels, "smp": smp}
     for rnd in range(runs):
         for c in harness.order(chosen, rnd):
             if not ctx.shell.dry_run:
                 print(f"mm-selftests: round {rnd + 1}/{runs}, {c.name}", flush=True)
-            boot = boot_one(ctx, c, rnd, tests)
+            boot = boot_one(ctx, c, rnd, tests, smp)
             if boot is None:
                 continue
             boots.append(boot)

@@ -190,3 +190,30 @@ def test_earlier_runs_join_the_table_and_the_gate(tmp_path):
     assert len(data["boots"]) == 6
     with pytest.raises(LabError, match="other tests"):
         mmselftests.run(again, 0, mmselftests.select(only=("cow",)), ("stock",), (earlier,))
+
+
+def test_smp_boots_every_guest_with_that_many_vcpus(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path / "cache"))
+    ctx = RunContext(shell=Shell(dry_run=True), run_dir=tmp_path, platform="qemu",
+                     patched=True, extra_fragments=("mm-selftests.config",))
+    mmselftests.run(ctx, 1, mmselftests.select(only=(MADV,)), ("stock", "prezero"), smp=2)
+    guests = [ln for ln in capsys.readouterr().err.splitlines()
+              if ln.startswith("$ qemu-system-x86_64")]
+    assert len(guests) == 2 and all(" -smp 2 " in g for g in guests), guests
+
+
+def test_runs_of_other_vcpu_counts_do_not_join(tmp_path):
+    tests = mmselftests.select(only=(MADV,))
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    RunContext(shell=Shell(), run_dir=earlier).save(
+        mmselftests.RESULT, {"tests": [t.name for t in tests], "smp": 2,
+                             "boots": [__import__("dataclasses").asdict(b)
+                                       for b in three_runs([0, 0, 0])]})
+    again = RunContext(shell=Shell(), run_dir=tmp_path / "again", platform="uml")
+    (tmp_path / "again").mkdir()
+    rc, data, text = mmselftests.run(again, 0, tests, ("stock",), (earlier,), smp=2)
+    assert rc == 0 and data["smp"] == 2 and "2 vCPUs" in text
+    # a run from before the option booted one vCPU: it joins only a one-vCPU table
+    with pytest.raises(LabError, match="guests of 2 vCPUs, not 1"):
+        mmselftests.run(again, 0, tests, ("stock",), (earlier,))
