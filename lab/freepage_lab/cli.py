@@ -104,8 +104,11 @@ def cmd_boot(args: argparse.Namespace, shell: Shell) -> int:
                             extra_fragments=tuple(args.fragment), patched_qemu=args.patched_qemu,
                             qemu_extra_patches=tuple(args.qemu_extra_patch))
     script = Path(args.script).read_text() if args.script else DEFAULT_BOOT_SCRIPT
+    if args.icount:
+        harness.check_icount(ctx, "boot --icount")
     plan = harness.Plan(script, initrd="boot", mem_mib=args.mem,
-                        cmdline=tuple(args.cmdline or ()), timeout_s=args.timeout)
+                        cmdline=tuple(args.cmdline or ()), timeout_s=args.timeout,
+                        icount=args.icount)
     start = time.monotonic()
     with harness.start(ctx, BOOT, f"boot-{args.platform}", plan) as run:
         if run is None:
@@ -271,6 +274,9 @@ def parser() -> argparse.ArgumentParser:
     bt.add_argument("--mem", type=int, default=512, help="guest RAM in MiB")
     bt.add_argument("--timeout", type=float, default=120)
     bt.add_argument("--cmdline", action="append", help="extra kernel command line word")
+    bt.add_argument("--icount", action="store_true",
+                    help="QEMU TCG -icount shift=0: guest time counts instructions, so "
+                    "durations the guest measures are instruction counts")
     bt.set_defaults(func=cmd_boot)
 
     r = sub.add_parser("run", help="run one scenario")

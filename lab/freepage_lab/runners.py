@@ -44,7 +44,7 @@ class GuestConfig:
     incoming: str | None = None
     cpu: str | None = None  # QEMU -cpu model; default max (TCG) / host (KVM)
     smp: int = 1  # vCPUs (QEMU); UML runs one
-    # arm64 only: -icount shift=0, one guest instruction per virtual
+    # QEMU TCG: -icount shift=0, one guest instruction per virtual
     # nanosecond, so guest clocks count instructions (work, not time)
     icount: bool = False
     # QEMU: NUMA nodes; the memory split evenly, the vCPUs in contiguous

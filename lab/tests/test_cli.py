@@ -51,6 +51,18 @@ def test_dry_run_with_patched_qemu_builds_it_and_runs_it(capsys, tmp_path, monke
     assert not (tmp_path / "cache" / "qemu").exists()
 
 
+def test_boot_icount_counts_guest_time_in_instructions(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path / "cache"))
+    assert cli.main(["--dry-run", "boot", "--platform", "qemu", "--accel", "tcg",
+                     "--icount"]) == 0
+    started = [ln for ln in capsys.readouterr().err.splitlines()
+               if ln.startswith("$ ") and "qemu-system-x86_64 " in ln]
+    assert started and "-icount shift=0" in started[-1]
+    assert cli.main(["--dry-run", "boot", "--platform", "uml", "--icount"]) != 0
+    assert "boot --icount: guest instruction counts need QEMU, not uml" in capsys.readouterr().err
+
+
 def test_series_check_qemu_checks_every_qemu_series(capsys, monkeypatch):
     calls = []
     monkeypatch.setattr(cli.qemu, "check", lambda shell, queue: calls.append(queue.name)
