@@ -183,7 +183,8 @@ def check(shell: Shell, queue: Queue) -> StageResult:
 
 # --fragment files that apply to the stock kernel of a comparison too (the
 # others set the series' own options, which a stock kernel does not have)
-STOCK_FRAGMENTS = ("bench.config", "arm64-split-bench.config", "mm-selftests.config")
+STOCK_FRAGMENTS = ("bench.config", "arm64-split-bench.config", "mm-selftests.config",
+                   "irqsoff.config")
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,16 @@ def test_boot_icount_counts_guest_time_in_instructions(capsys, tmp_path, monkeyp
     assert "boot --icount: guest instruction counts need QEMU, not uml" in capsys.readouterr().err
 
 
+def test_irqsoff_fragment_applies_to_the_stock_kernel_too(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path / "cache"))
+    assert cli.main(["--dry-run", "boot", "--vanilla", "--platform", "qemu", "--accel", "tcg",
+                     "--fragment", "irqsoff.config"]) == 0
+    merged = [ln for ln in capsys.readouterr().err.splitlines() if "merge_config.sh" in ln]
+    assert merged and "x86_64-release-vanilla+irqsoff" in merged[0]
+    assert "kernel/configs/irqsoff.config" in merged[0]
+
+
 def test_series_check_qemu_checks_every_qemu_series(capsys, monkeypatch):
     calls = []
     monkeypatch.setattr(cli.qemu, "check", lambda shell, queue: calls.append(queue.name)
