@@ -51,7 +51,7 @@ test-backend:
 	else echo "vhost-user-balloon: not present yet"; fi
 
 test-boot: deps
-	$(VENV)/bin/pytest -q -m slow lab/tests
+	$(VENV)/bin/pytest -q -m slow --durations=12 lab/tests
 
 clean:
 	rm -rf runs guest/build
