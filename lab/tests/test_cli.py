@@ -18,6 +18,13 @@ def test_dry_run_prints_the_commands_and_runs_nothing(scenario, extra, capsys, t
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.fixture
+def lab_dirs(tmp_path, monkeypatch):
+    """Runs and the build cache under the test's own directory."""
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path / "cache"))
+
+
 def test_unknown_parameter_is_a_clear_error(capsys):
     assert cli.main(["--dry-run", "run", "reclaim", "--param", "nope=1"]) == 1
     assert "unknown parameter 'nope'" in capsys.readouterr().err
@@ -40,9 +47,7 @@ def test_medians_flattens_result_trees():
                                  "reclaim.median.t50_s": 1.5}
 
 
-def test_dry_run_with_patched_qemu_builds_it_and_runs_it(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
-    monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path / "cache"))
+def test_dry_run_with_patched_qemu_builds_it_and_runs_it(capsys, tmp_path, lab_dirs):
     assert cli.main(["--dry-run", "boot", "--vanilla", "--accel", "tcg", "--patched-qemu"]) == 0
     err = capsys.readouterr().err
     assert "configure --target-list=x86_64-softmmu" in err
@@ -51,9 +56,7 @@ def test_dry_run_with_patched_qemu_builds_it_and_runs_it(capsys, tmp_path, monke
     assert not (tmp_path / "cache" / "qemu").exists()
 
 
-def test_boot_icount_counts_guest_time_in_instructions(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
-    monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path / "cache"))
+def test_boot_icount_counts_guest_time_in_instructions(capsys, lab_dirs):
     assert cli.main(["--dry-run", "boot", "--platform", "qemu", "--accel", "tcg",
                      "--icount"]) == 0
     started = [ln for ln in capsys.readouterr().err.splitlines()
@@ -63,9 +66,7 @@ def test_boot_icount_counts_guest_time_in_instructions(capsys, tmp_path, monkeyp
     assert "boot --icount: guest instruction counts need QEMU, not uml" in capsys.readouterr().err
 
 
-def test_irqsoff_fragment_applies_to_the_stock_kernel_too(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
-    monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path / "cache"))
+def test_irqsoff_fragment_applies_to_the_stock_kernel_too(capsys, lab_dirs):
     assert cli.main(["--dry-run", "boot", "--vanilla", "--platform", "qemu", "--accel", "tcg",
                      "--fragment", "irqsoff.config"]) == 0
     merged = [ln for ln in capsys.readouterr().err.splitlines() if "merge_config.sh" in ln]
