@@ -67,6 +67,11 @@ STEPS = (
     Step("free page reporting on UML + vhost-user-balloon (default per-cpu lists)",
          "reclaim", "uml", "own", {"modes": "4k", "mem_mib": "1024"},
          {"variants": "stock,freepage", "modes": "4k", "mem_mib": "1024", "repeat": "1"}),
+    Step("free page reporting under churn: a 6 x 128 MiB allocate/free loop, reporting off, "
+         "stock and the series (UML + vhost-user-balloon; host faults and guest time)",
+         "churn", "uml", "own", {"churn_mib": "128", "iterations": "6"},
+         {"churn_mib": "128", "iterations": "6", "repeat": "1",
+          "variants": "off,stock,freepage"}),
     Step("faster eager split on arm64 KVM: split work and the ioctls in guest instructions "
          "(stock / series), next to the source document's cuts",
          "split", "arm64", "own",

@@ -21,7 +21,8 @@ REPORTING_DIR = "/sys/kernel/debug/page_reporting"
 # reported, the device's error if it failed (freepage series only).
 FLUSH = f"{REPORTING_DIR}/flush"
 # the series' counters, in the order every script prints them
-REPORTING_COUNTERS = ("passes", "time_us", "reported_pages", "reused_pages", "pcp_drained_pages")
+REPORTING_COUNTERS = ("passes", "time_us", "reported_pages", "reused_pages", "pcp_drained_pages",
+                      "held_passes")
 # a line per counter at the end of a boot (reported_pages: one number per order)
 COUNTER_TAG = "REPORTING-COUNTER"
 
@@ -84,15 +85,15 @@ def flush_if_present() -> str:
 
 def reporting_snapshot() -> str:
     """Shell function `reporting TAG`: one JSON line with the series'
-    counters (reported_pages summed over orders), the delay in force and
-    delay_ms; nothing on stock."""
+    counters (reported_pages summed over orders; null for a counter an
+    older series lacks), the delay in force and delay_ms; nothing on stock."""
     r = REPORTING_DIR
     names = (*REPORTING_COUNTERS, "current_delay_ms", "delay_ms")
     fields = ",".join(f'"{c}":%s' for c in names)
     values = " ".join('"$(awk \'{s=0; for (i = 1; i <= NF; i++) s += $i; print s}\' $R/' + c + ')"'
                       if c == "reported_pages" else
                       f'"$(cat {REPORTING_SYSFS}/{c})"' if c in REPORTING_TUNABLES else
-                      f'"$(cat $R/{c})"'
+                      f'"$(cat $R/{c} 2>/dev/null || echo null)"'
                       for c in names)
     return "\n".join([
         "reporting() {",

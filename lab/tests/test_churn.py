@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from freepage_lab import harness, procfs
+from freepage_lab import guestshell, harness, procfs
 from freepage_lab.initramfs import EVENT
 from freepage_lab.scenarios import churn, idle, pagefault
 from freepage_lab.shell import LabError
@@ -96,6 +96,23 @@ def test_summary_ratios_are_to_off_when_measured():
     assert "host faults/off" in text and "1.25x" in text
 
 
+def test_paired_ratios_and_the_series_without_reporting_as_baseline():
+    """Round k of each variant against round k of the baseline; with
+    freepage-off measured, a second table is against it."""
+    boots = [_churn_boot("off", a, 40000) for a in (100, 300, 100)]
+    boots += [_churn_boot("freepage-off", a, 40000) for a in (105, 315, 105)]
+    boots += [_churn_boot("freepage", a, 40400) for a in (110, 300, 105)]
+    variants = ("off", "freepage-off", "freepage")
+    s = churn.summarise_churn(boots, variants)
+    paired = s["freepage"]["alloc_ms_paired_to_off"]
+    assert (paired["min"], paired["median"], paired["max"]) == pytest.approx((1.0, 1.05, 1.1))
+    assert s["freepage"]["alloc_ms_paired_to_freepage-off"]["max"] == pytest.approx(110 / 105)
+    assert s["freepage"]["host_faults_paired_to_freepage-off"]["median"] == pytest.approx(1.01)
+    assert "freepage-off" not in churn.VARIANTS  # only when asked for
+    text = churn.churn_table(s, "freepage-off")
+    assert "alloc/freepage-off" in text and "paired 1.00 [0.95-1.05]" in text
+
+
 def test_rotation_puts_every_variant_first_once():
     firsts = {harness.order(churn.VARIANTS, r, rotate=True)[0] for r in range(4)}
     assert firsts == set(churn.VARIANTS)
@@ -160,3 +177,19 @@ def test_trace_lines_become_a_timeline():
     script = churn.churn_script(churn.ChurnParams(trace_ms=250))
     assert "sleep 0.250; done ) & tracer=$!" in script and "kill $tracer || true" in script
     assert "tracer" not in churn.churn_script(churn.ChurnParams())
+
+
+def test_a_counter_an_older_series_lacks_is_left_out():
+    """The guest prints null for a debugfs file the kernel does not have."""
+    script = guestshell.reporting_snapshot()
+    assert "held_passes 2>/dev/null || echo null" in script
+    recs = [{"prog": "reporting", "tag": "before", "passes": 5, "time_us": 10,
+             "reported_pages": 100, "reused_pages": 0, "pcp_drained_pages": 0,
+             "held_passes": None, "current_delay_ms": 100, "delay_ms": 100},
+            {"prog": "reporting", "tag": "after", "passes": 7, "time_us": 30,
+             "reported_pages": 900, "reused_pages": 0, "pcp_drained_pages": 0,
+             "held_passes": None, "current_delay_ms": 100, "delay_ms": 100}]
+    delta, delay = churn.reporting_delta(recs)
+    assert delta == {"passes": 2, "time_us": 20, "reported_pages": 800, "reused_pages": 0,
+                     "pcp_drained_pages": 0}
+    assert delay == 100

@@ -15,6 +15,8 @@ every variant once, in an order that rotates from repeat to repeat):
   stock     stock 6.12 defaults (2 s delay)
   stock250  stock 6.12 with a 250 ms delay (kernel/bench/stock-delay-250ms.patch)
   freepage  the series with its defaults
+  freepage-off  (when asked for) the series, the balloon does not offer
+            reporting: the baseline that leaves the rest of the series out
 The balloon is the same device for every variant (UML: vhost-user-balloon
 without its experimental bits 6/7; QEMU: Debian's virtio-balloon), so only the guest's
 reporting differs.
@@ -47,8 +49,9 @@ from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, table
 
-# the "reporting" family of harness.FAMILIES
-VARIANTS = tuple(harness.family("reporting"))
+# the "reporting" family of harness.FAMILIES, but for freepage-off (the
+# series on a device without reporting), which runs when asked for
+VARIANTS = tuple(v for v in harness.family("reporting") if v != "freepage-off")
 
 
 # -- one boot of one variant ---------------------------------------------------
@@ -70,12 +73,14 @@ class Boot:
 
 def reporting_delta(records: list[dict], before: str = "before",
                     after: str = "after") -> tuple[dict[str, int], int | None]:
-    """Counter deltas between two `reporting` records, and the delay in force after."""
+    """Counter deltas between two `reporting` records, and the delay in force
+    after; a counter the kernel does not have (an older series) is left out."""
     recs = {r["tag"]: r for r in records if r.get("prog") == "reporting"}
     if before not in recs or after not in recs:
         return {}, None
     a, b = recs[before], recs[after]
-    return ({k: int(b[k]) - int(a[k]) for k in REPORTING_COUNTERS},
+    return ({k: int(b[k]) - int(a[k]) for k in REPORTING_COUNTERS
+             if a.get(k) is not None and b.get(k) is not None},
             int(b["current_delay_ms"]))
 
 
@@ -190,9 +195,12 @@ METRICS = (("alloc_ms", "alloc+touch ms"), ("guest_faults", "guest faults"),
 
 
 def summarise_churn(boots: Sequence[ChurnBoot], variants: Sequence[str],
-                    baselines: Sequence[str] = ("off", "stock")) -> dict[str, Any]:
+                    baselines: Sequence[str] = ("off", "stock", "freepage-off")
+                    ) -> dict[str, Any]:
     """Per variant and metric: summary over boots and the ratio to each of
-    `baselines` that has boots (reporting off is what the goal is against)."""
+    `baselines` that has boots (reporting off is what the goal is against),
+    also paired: the k-th boot of a variant over the k-th of the baseline,
+    which booted in the same round."""
     out: dict[str, Any] = {}
     for v in variants:
         mine = [b for b in boots if b.variant == v]
@@ -207,10 +215,14 @@ def summarise_churn(boots: Sequence[ChurnBoot], variants: Sequence[str],
                 a = [float(getattr(b, key)) for b in boots if b.variant == baseline]
                 if a and v != baseline and statistics.median(a):
                     entry[f"{key}_ratio_to_{baseline}"] = median_ratio(a, xs).as_dict()
+                    paired = [x / y for x, y in zip(xs, a) if y]
+                    if paired:
+                        entry[f"{key}_paired_to_{baseline}"] = summarise(paired).as_dict()
         rep = [b for b in mine if b.reporting]
         if rep:
             entry["reporting"] = {k: statistics.median(b.reporting[k] for b in rep)
-                                  for k in REPORTING_COUNTERS}
+                                  for k in REPORTING_COUNTERS
+                                  if all(k in b.reporting for b in rep)}
             entry["current_delay_ms_after"] = [b.current_delay_ms for b in rep]
         out[v] = entry
     return out
@@ -233,7 +245,9 @@ def churn_table(summary: dict[str, Any], baseline: str = "stock") -> str:
             row.append(spread(e[key], "{:.1f}" if key in ("alloc_ms", "vmm_cpu_ms") else "{:.0f}"))
         for key in ("alloc_ms", "host_faults", "vmm_cpu_ms"):
             r = e.get(f"{key}_ratio_to_{baseline}")
-            row.append(fmt_ratio(r) if r else "-")
+            p = e.get(f"{key}_paired_to_{baseline}")
+            row.append((fmt_ratio(r) + (f", paired {spread(p, '{:.2f}')}" if p else ""))
+                       if r else "-")
         rep = e.get("reporting")
         row.append(f"{rep['passes']:.0f}/{rep['reported_pages']:.0f}/{rep['reused_pages']:.0f}"
                    if rep else "-")
@@ -270,4 +284,7 @@ class Churn(Scenario):
                 "ratios: median with bootstrap 95% interval; passes/reported/reused: "
                 "the series' counters over the loop)\n"
                 + churn_table(summary, table_baseline(summary)) + note)
+        if "freepage-off" in summary:
+            text += ("\nthe same, against the series on a device without reporting "
+                     "(reporting's own cost):\n" + churn_table(summary, "freepage-off"))
         return Outcome(self.name, data, text)
