@@ -29,8 +29,8 @@ def test_uml_series_holds_reporting_while_a_loop_reuses_what_it_freed(lab):
 
     Before passes were held for the allocator's traffic, the loop's first
     free was reported like a one-shot free and the next iteration faulted
-    all of it back in on the host: 16384 pages (one 64 MiB iteration)
-    reported during the loop."""
+    it back in on the host: 14336 pages of a 16384-page (64 MiB)
+    iteration reported during the loop."""
     ctx = lab.context("uml", accel="auto")
     p = churn.ChurnParams(mem_mib=512, churn_mib=64, iterations=6, settle_s=3)
     script = churn.churn_script(p) + "sleep 2\nreporting quiet\n"
