@@ -27,7 +27,7 @@ def test_kunit_suites_pass_on_uml(lab, cmdline):
                       cmdline=tuple(cmdline), timeout_s=300)
     res = kunit.parse(booted.lines)
     assert "page_zeroed" in res.suites, res.suites
-    assert res.ok, (res.failed, res.suites)
+    assert res.ok, (res.diagnostics or res.failed, res.suites)
     assert res.suites["page_zeroed"]["pass"] >= 10, res.suites
     # what reporting does with a zero mark: built with the reporting suite
     assert res.suites.get("page_reporting_zeroed", {}).get("pass") == 4, res.suites
@@ -50,13 +50,16 @@ def test_kunit_suites_pass_on_qemu_smp(lab, cmdline):
 
     When page_zeroed_test_pcp took the freed page back with the lock
     dropped in between, the drain took it first: "Expected kept to be
-    true, but is false", with and without init_on_free."""
+    true, but is false", with and without init_on_free. When the drainer
+    drained back to back and the case counted a share of rounds, the
+    drain won up to 95% of them in some boots: "Expected cycled > round /
+    2, but cycled == 1929", one boot in eight."""
     ctx = lab.context("qemu", patched=True)
     booted = lab.boot(ctx, "kunit-smp", "true\n", lab.BARE, mem_mib=2048, smp=2,
                       cmdline=("loglevel=7", *cmdline), timeout_s=600)
     res = kunit.parse(booted.lines)
     assert "page_zeroed" in res.suites, res.suites
-    assert res.ok, (res.failed, res.suites)
+    assert res.ok, (res.diagnostics or res.failed, res.suites)
     assert res.suites.get("page_reporting_zeroed", {}).get("pass") == 4, res.suites
     assert not res.skipped, res.skipped
     assert not [t for t in booted.lines if "WARNING" in t or "Bad page" in t]
@@ -147,7 +150,7 @@ echo "features $f"
         # tracking refuses poisoned pages: its KUnit suite skips instead of
         # freeing pages it expects to stay zero, which poisoning rewrites
         res = kunit.parse(booted.lines)
-        assert res.ok, (name, res.failed, res.suites)
+        assert res.ok, (name, res.diagnostics or res.failed, res.suites)
         assert not [t for t in booted.lines if "memory corruption" in t], name
     assert seen["plain"][bit] == "1", seen
     assert seen["poison"][bit] == "0", seen
