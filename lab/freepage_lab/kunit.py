@@ -16,6 +16,8 @@ class KunitResults:
     failed: list[str] = field(default_factory=list)
     # cases that skipped, with the reason they gave
     skipped: dict[str, str] = field(default_factory=dict)
+    # what a failed case printed before its result ("EXPECTATION FAILED at ...")
+    diagnostics: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def passed(self) -> int:
@@ -27,8 +29,15 @@ class KunitResults:
             s["fail"] == 0 for s in self.suites.values())
 
 
+# KTAP structure lines, which are not what a case said
+HEADER_RE = re.compile(r"^\s*(KTAP version \d+|1\.\.\d+|# Subtest: |# module: )")
+# lines a failed case keeps: the last of what it printed
+DIAGNOSTIC_LINES = 20
+
+
 def parse(lines: list[str]) -> KunitResults:
     res = KunitResults()
+    said: list[str] = []  # since the last result line
     for raw in lines:
         # strip a printk timestamp "[    0.123456] "
         line = re.sub(r"^\[\s*\d+\.\d+\]\s?", "", raw)
@@ -36,12 +45,20 @@ def parse(lines: list[str]) -> KunitResults:
         if m and m.group(1) != "Totals":
             res.suites[m.group(1)] = {"pass": int(m.group(2)), "fail": int(m.group(3)),
                                       "skip": int(m.group(4)), "total": int(m.group(5))}
+            said = []
             continue
         if m:
             continue
         m = RESULT_RE.match(line)
-        if m and (m.group(3) or "").upper() == "SKIP":
+        if not m:
+            if line.strip() and not HEADER_RE.match(line):
+                said.append(line.strip())
+            continue
+        if (m.group(3) or "").upper() == "SKIP":
             res.skipped[m.group(2)] = line.split("#", 1)[1].strip()[4:].strip()
-        elif m and m.group(1) == "not ok":
+        elif m.group(1) == "not ok":
             res.failed.append(m.group(2))
+            if said:
+                res.diagnostics[m.group(2)] = said[-DIAGNOSTIC_LINES:]
+        said = []
     return res

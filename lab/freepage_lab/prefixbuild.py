@@ -96,8 +96,10 @@ def run_kunit(shell: Shell, out: Path, label: str) -> str:
     log.write_text(text)
     res = kunit.parse(text.splitlines())
     if not res.ok:
+        said = "".join(f"\n  {case}: " + " / ".join(lines)
+                       for case, lines in res.diagnostics.items())
         raise LabError(f"{label}: KUnit failed: {', '.join(res.failed) or 'no suite ran'}; "
-                       f"see {log}")
+                       f"see {log}{said}")
     done = ", ".join(f"{name} {s['pass']}/{s['total']}" for name, s in sorted(res.suites.items()))
     return done + "".join(f"; skipped {case} ({why})" for case, why in sorted(res.skipped.items()))
 

@@ -77,7 +77,8 @@ def check(run: Run) -> dict[str, int]:
     assert run.rc == 0, run.lines[-20:]
     res = kunit.parse(run.lines)
     assert "page_prezero" in res.suites, res.suites
-    assert res.suites["page_prezero"]["fail"] == 0 and not res.failed, (res.failed, res.suites)
+    assert res.suites["page_prezero"]["fail"] == 0 and not res.failed, \
+        (res.diagnostics or res.failed, res.suites)
     assert res.suites["page_prezero"]["pass"] > 0, res.suites
     assert not run.warnings, run.warnings
     knobs = [ln.split()[2:] for ln in run.lines if ln.startswith(f"{EVENT} knob ")]

@@ -104,7 +104,7 @@ def test_prezero_clears_each_node_from_its_own_cpus_on_qemu(lab):
     # the boot ran the KUnit suites, on two nodes
     res = kunit.parse(lines)
     assert res.suites.get("page_prezero", {}).get("pass", 0) > 0, res.suites
-    assert not res.failed, (res.failed, res.suites)
+    assert not res.failed, (res.diagnostics or res.failed, res.suites)
     cpus = {int(f[0]): f[1] if len(f) > 1 else "" for f in events(lines, "nodecpus")}
     threads = {t[0]: t[2] for t in events(lines, "thread")}
     assert cpus == {0: "0", 1: "1", 2: ""}, (cpus, lines[-20:])
