@@ -132,6 +132,9 @@ def cmd_run(args: argparse.Namespace, shell: Shell) -> int:
                             qemu_extra_patches=tuple(args.qemu_extra_patch))
     outcome = scenarios.run(scenario, ctx, params)
     print(outcome.table)
+    uneven = ctx.uneven_kernels()
+    if uneven:
+        print(f"note: {uneven}")
     for p in outcome.plots:
         print(f"plot: {p}")
     print(f"results: {ctx.run_dir}")

@@ -80,6 +80,23 @@ class RunContext:
             self._kernels[spec.label] = kernel.build(self.shell, spec)
         return self._kernels[spec.label].image
 
+    def uneven_kernels(self) -> str | None:
+        """Why this run's timings of stock 6.12 against the series are not
+        the series' cost, or None. Without bench.config the series' kernel
+        is the lab's test kernel: the debug verifier, KUnit and CMA are on
+        its side only (a fault-and-unmap loop took 1.09x of stock's guest
+        time that way, 1.00x with bench.config on both)."""
+        specs = [k.spec for k in self._kernels.values()]
+        # the series whose fragment turns the debug verifier and KUnit on
+        series = [s for s in specs
+                  if s.patched and "never-zero-twice.config" in kernel.queue_for(s.arch).fragments]
+        if not series or not any(not s.patched for s in specs) or any(
+                "bench.config" in s.extra_fragments for s in series):
+            return None
+        return ("stock 6.12 was compared with the series' test kernel (debug verifier, "
+                "KUnit, CMA on the series' side only): timings of one against the other "
+                "are not the series' cost; for those, add --fragment bench.config")
+
     def initrd(self, name: str, script: str, selftests: tuple[str, ...] = ()) -> Path:
         """The arch's base initramfs plus `script` as /run.sh and the
         selftests suites named (selftests.SUITES, each under /<suite>),

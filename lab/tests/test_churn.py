@@ -193,3 +193,27 @@ def test_a_counter_an_older_series_lacks_is_left_out():
     assert delta == {"passes": 2, "time_us": 20, "reported_pages": 800, "reused_pages": 0,
                      "pcp_drained_pages": 0}
     assert delay == 100
+
+
+@pytest.mark.parametrize("fragments,variants,uneven", [
+    ((), "off,freepage", True),
+    (("bench.config",), "off,freepage", False),
+    ((), "freepage-off,freepage", False),
+], ids=["test-kernel-vs-stock", "bench-kernels", "series-only"])
+def test_a_run_says_when_stock_met_the_series_test_kernel(tmp_path, fragments, variants, uneven):
+    """Timings of stock against the series' test kernel (debug verifier,
+    KUnit) are not the series' cost: such a run says so."""
+    from freepage_lab.context import RunContext
+    from freepage_lab.shell import Shell
+
+    ctx = RunContext(shell=Shell(dry_run=True, quiet=True), run_dir=tmp_path, platform="qemu",
+                     accel="tcg", extra_fragments=fragments)
+    scen = churn.Churn()
+    try:
+        scen.run(ctx, scen.params({"variants": variants, "repeat": "1"}))
+    except LabError:
+        pass  # a dry run has no records to summarise; the kernels are what counts
+    note = ctx.uneven_kernels()
+    assert (note is not None) == uneven, note
+    if uneven:
+        assert "--fragment bench.config" in note
