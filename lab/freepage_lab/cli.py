@@ -144,6 +144,8 @@ def cmd_run(args: argparse.Namespace, shell: Shell) -> int:
 def cmd_trace(args: argparse.Namespace, shell: Shell) -> int:
     ctx = RunContext.create(shell, "trace-qemu", platform="qemu", accel="tcg",
                             extra_fragments=("bench.config",))
+    if args.loop == "fault":
+        return trace_fault_loop(ctx, shell)
     initrd = ctx.initrd("trace", insntrace.GUEST_SCRIPT)
     results: dict[str, insntrace.Iteration] = {}
     for label, patched in (("stock", False), ("series", True)):
@@ -199,6 +201,36 @@ def cmd_compare(args: argparse.Namespace, shell: Shell) -> int:
     for k in sorted(set(a) & set(b)):
         ratio = f"{b[k] / a[k]:.2f}" if a[k] else "n/a"
         print(f"{k:70s} {a[k]:10.2f} {b[k]:10.2f} {ratio:>7s}")
+    return 0
+
+
+def trace_fault_loop(ctx: RunContext, shell: Shell) -> int:
+    """Instructions per page fault of the churn loop, per function, stock
+    against the series (benchmark kernels, QEMU TCG with a counting plugin)."""
+    plugin = insntrace.build_plugin(shell)
+    short, long = insntrace.FAULT_LOOPS
+    initrds = {n: ctx.initrd(f"fault-{n}", insntrace.fault_script(n)) for n in (short, long)}
+    results: dict[str, dict[str, float]] = {}
+    for label, patched in (("stock", False), ("series", True)):
+        build_dir = ctx.kernel(patched=patched).parents[3]
+        counted = {n: insntrace.count_blocks(shell, build_dir, initrds[n], plugin,
+                                             ctx.run_dir / f"{label}-{n}")
+                   for n in (short, long)}
+        if shell.dry_run:
+            continue
+        syms = insntrace.Symbols.of(build_dir / "vmlinux")
+        faults = (insntrace.churn_faults(counted[long][1])
+                  - insntrace.churn_faults(counted[short][1]))
+        results[label] = insntrace.per_fault(insntrace.per_function(counted[short][0], syms),
+                                             insntrace.per_function(counted[long][0], syms),
+                                             faults)
+    if shell.dry_run:
+        return 0
+    (ctx.run_dir / "fault-loop.json").write_text(json.dumps(results, indent=1, sort_keys=True))
+    print(f"instructions per page fault of a {insntrace.FAULT_LOOP_MIB} MiB mmap/write/munmap "
+          f"loop ({long} iterations minus {short}), per function")
+    print(insntrace.fault_table(results))
+    print(f"results: {ctx.run_dir}")
     return 0
 
 
@@ -312,10 +344,15 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("runs", nargs="+", help="run directories (one or two)")
     c.set_defaults(func=cmd_compare)
 
-    t = sub.add_parser("trace", help="instructions of the allocator fast path, per function "
-                       "(x86_64 benchmark kernels, QEMU TCG + gdb)")
+    t = sub.add_parser("trace", help="instructions of the allocator fast path or of a page "
+                       "fault, per function, stock against the series (x86_64 benchmark "
+                       "kernels, QEMU TCG)")
+    t.add_argument("--loop", choices=("fastpath", "fault"), default="fastpath",
+                   help="fastpath: one order-0 alloc+free of the benchmark loop, single-"
+                   "stepped with gdb; fault: a 512 MiB mmap/write/munmap loop, counted by "
+                   "a QEMU plugin, per page fault")
     t.add_argument("--steps", type=int, default=3000,
-                   help="instructions to single-step (several iterations must fit)")
+                   help="fastpath: instructions to single-step (several iterations must fit)")
     t.set_defaults(func=cmd_trace)
     d = sub.add_parser("demo", help="stock vs freepage, side by side, for every feature")
     d.add_argument("--accel", choices=("auto", "tcg", "kvm"), default="auto")

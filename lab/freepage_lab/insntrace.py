@@ -1,4 +1,4 @@
-"""Where the allocator fast path spends its instructions, per function.
+"""Where the allocator fast path and a page-fault loop spend their instructions.
 
 `freepage trace` boots the x86_64 benchmark kernels (stock and the series,
 both with kernel/bench/page-zeroed-bench.patch and bench.config) under QEMU
@@ -11,11 +11,24 @@ costs, this says which functions they are in.
 
 The gdb stub steps with interrupts and timers masked (QEMU's default), so
 no interrupt lands in the trace.
+
+`freepage trace --loop fault` answers the same question for a whole
+workload: the churn program's {mmap 512 MiB, write every 4 KiB page,
+munmap} loop, the same benchmark kernels, no benchmark patch. A QEMU TCG
+plugin (lab/qemu-plugin/blockcount.c) counts how often every translation
+block ran; each block's instructions go to the function it starts in.
+Each kernel boots twice, with a short and a long loop, and the difference
+divided by the difference in page faults is what one fault of the loop
+costs, settling subtracted out; the plugin starts counting when the guest
+first runs user space, so the kernel's boot (whose clock calibration loops
+run as long as the host lets them) stays out. Interrupts and the timer
+are in it, as in the loop; a `rep stos` counts as one instruction.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import os
 import shutil
@@ -27,6 +40,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import paths
+from . import qemu as qemu_mod
 from .shell import LabError, Shell
 
 # the loop of bench_pairs() calls this once per iteration: the anchor
@@ -217,3 +232,130 @@ def save(path: Path, results: dict[str, Iteration]) -> None:
     path.write_text(json.dumps({k: {"total": v.total, "functions": v.functions,
                                     "lengths": v.lengths}
                                 for k, v in results.items()}, indent=1))
+
+
+# -- a page-fault loop, counted per translation block (TCG plugin) -------------
+
+PLUGIN_SOURCE = paths.REPO / "lab" / "qemu-plugin" / "blockcount.c"
+# kernel text starts here on x86_64; below it is the guest's user space
+KERNEL_START = 0xFFFF800000000000
+USER = "[user]"
+FAULT_LOOP_MIB = 512
+# iterations of the short and the long boot: their difference is measured
+FAULT_LOOPS = (2, 12)
+
+
+def fault_script(iterations: int) -> str:
+    """Settle, then the churn loop on 4 KiB pages (guest/churn.c)."""
+    return (f"sleep 10\nchurn --mib {FAULT_LOOP_MIB} --iterations {iterations} "
+            "--sleep-ms 0 --tag churn\n")
+
+
+def build_plugin(shell: Shell) -> Path:
+    """libblockcount.so, built once per source against QEMU 10.0.2's plugin
+    header (the QEMU the lab runs)."""
+    src = PLUGIN_SOURCE.read_bytes()
+    key = hashlib.sha256(src + qemu_mod.BASE_VERSION.encode()).hexdigest()[:16]
+    out = paths.cache_dir() / "qemu-plugin" / key / "libblockcount.so"
+    if out.exists():
+        return out
+    include = qemu_mod.base_tree(shell) / "include" / "qemu"
+    glib = shell.run(["pkg-config", "--cflags", "glib-2.0"], capture=True,
+                     what="pkg-config glib-2.0 (libglib2.0-dev)").split()
+    if not shell.dry_run:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    shell.run(["gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter",
+               "-Werror", "-o", out, PLUGIN_SOURCE, "-I", include, *glib],
+              what="build the QEMU plugin")
+    return out
+
+
+def parse_blocks(text: str) -> list[tuple[int, int, int]]:
+    """(start address, instructions, runs) per line of the plugin's output."""
+    blocks = []
+    for n, line in enumerate(text.splitlines(), 1):
+        parts = line.split()
+        try:
+            pc, insns, runs = int(parts[0], 16), int(parts[1]), int(parts[2])
+        except (IndexError, ValueError):
+            raise LabError(f"trace: block counts, line {n}: {line!r}") from None
+        blocks.append((pc, insns, runs))
+    return blocks
+
+
+def per_function(blocks: list[tuple[int, int, int]], syms: Symbols) -> Counter[str]:
+    """Executed instructions per kernel function; user space as USER."""
+    out: Counter[str] = Counter()
+    for pc, insns, runs in blocks:
+        out[USER if pc < KERNEL_START else syms.name(pc)] += insns * runs
+    return out
+
+
+def per_fault(short: Counter[str], long: Counter[str], faults: int) -> dict[str, float]:
+    """What the long boot executed beyond the short one, per page fault."""
+    if faults <= 0:
+        raise LabError(f"trace: the long loop took {faults} more faults than the short one")
+    return {k: (long[k] - short[k]) / faults for k in set(short) | set(long)}
+
+
+def churn_faults(console: str) -> int:
+    """total_faults of the churn record a boot printed."""
+    for line in console.splitlines():
+        start = line.find('{"prog":"churn"')
+        if start >= 0:
+            return int(json.loads(line[start:])["total_faults"])
+    raise LabError("trace: the guest printed no churn record")
+
+
+def count_blocks(shell: Shell, build_dir: Path, initrd: Path, plugin: Path, work: Path,
+                 timeout_s: float = 900) -> tuple[list[tuple[int, int, int]], str]:
+    """Boot the kernel in `build_dir` with the plugin; its block counts and console."""
+    image = build_dir / "arch" / "x86" / "boot" / "bzImage"
+    counts = work / "blocks.txt"
+    console = work / "console.log"
+    # -icount: guest time is instructions, so timers land at the same
+    # places in every boot, and the free lists the loop meets do not
+    # depend on the host's speed
+    qemu = ["qemu-system-x86_64", "-machine", "pc,accel=tcg", "-cpu", "max", "-smp", "1",
+            "-icount", "shift=0", "-m", "2048M", "-kernel", str(image), "-initrd", str(initrd),
+            "-append", "console=ttyS0 panic=-1 fp.halt=reboot nokaslr quiet loglevel=4",
+            "-display", "none", "-monitor", "none", "-nodefaults", "-no-reboot",
+            "-serial", f"file:{console}", "-plugin", f"{plugin},out={counts}"]
+    shell.show(qemu)
+    if shell.dry_run:
+        return [], ""
+    work.mkdir(parents=True, exist_ok=True)
+    vm = subprocess.Popen(qemu, start_new_session=True, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE)
+    try:
+        _, err = vm.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(vm.pid, signal.SIGKILL)
+        vm.wait()
+        raise LabError(f"trace: the guest did not finish in {timeout_s:.0f} s "
+                       f"(console: {console})") from None
+    text = console.read_text(errors="replace") if console.exists() else ""
+    if vm.returncode != 0 or "FREEPAGE-EXIT 0" not in text:
+        raise LabError(f"trace: the guest failed (QEMU exit {vm.returncode}, "
+                       f"{err.decode(errors='replace').strip()[-300:]}; console: {console})")
+    if not counts.exists():
+        raise LabError(f"trace: the plugin wrote no counts ({counts})")
+    return parse_blocks(counts.read_text()), text
+
+
+def fault_table(results: dict[str, dict[str, float]], top: int = 25) -> str:
+    """Instructions per fault: the functions that differ most, then the total."""
+    labels = list(results)
+    names = sorted({n for r in results.values() for n in r},
+                   key=lambda n: -abs(results[labels[-1]].get(n, 0.0)
+                                      - results[labels[0]].get(n, 0.0)))
+    width = max([len(n) for n in names[:top]] + [8])
+    lines = [f"{'function':{width}s} " + " ".join(f"{lb:>10s}" for lb in labels)
+             + (f" {'diff':>8s}" if len(labels) > 1 else "")]
+    for n in [*names[:top], "total"]:
+        vals = [sum(r.values()) if n == "total" else r.get(n, 0.0) for r in results.values()]
+        row = f"{n:{width}s} " + " ".join(f"{v:10.1f}" for v in vals)
+        if len(vals) > 1:
+            row += f" {vals[-1] - vals[0]:+8.1f}"
+        lines.append(row)
+    return "\n".join(lines)

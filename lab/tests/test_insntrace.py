@@ -73,3 +73,63 @@ def test_trace_dry_run_prints_qemu_and_gdb(capsys, tmp_path, monkeypatch):
     assert "-gdb tcp:127.0.0.1:" in err and "$ gdb -q -batch" in err
     assert "page-zeroed-bench.patch" in err
     assert not (tmp_path / "runs").exists()
+
+
+# -- the fault loop, counted per translation block ------------------------------
+
+BLOCKS = """\
+ffffffff81000100 10 3
+ffffffff81000180 4 2
+ffffffff81000200 5 1
+401000 7 100
+"""
+
+
+def test_blocks_go_to_the_function_they_start_in_and_user_space_apart():
+    blocks = insntrace.parse_blocks(BLOCKS)
+    assert blocks[0] == (0xffffffff81000100, 10, 3)
+    assert insntrace.per_function(blocks, syms()) == {
+        "alloc_a": 10 * 3 + 4 * 2, "__free_pages": 5, insntrace.USER: 700}
+
+
+def test_a_garbled_count_line_is_named():
+    with pytest.raises(LabError, match="line 2: 'ffff zz'"):
+        insntrace.parse_blocks("ffffffff81000100 10 3\nffff zz\n")
+
+
+def test_per_fault_is_the_long_loop_minus_the_short_one():
+    short = insntrace.per_function(insntrace.parse_blocks(BLOCKS), syms())
+    long = insntrace.per_function(insntrace.parse_blocks(
+        "ffffffff81000100 10 13\nffffffff81000200 5 1\n401000 7 300\n"), syms())
+    res = insntrace.per_fault(short, long, faults=10)
+    assert res == {"alloc_a": (130 - 38) / 10, "__free_pages": 0.0, insntrace.USER: 140.0}
+    with pytest.raises(LabError, match="0 more faults"):
+        insntrace.per_fault(short, long, faults=0)
+
+
+def test_the_churn_record_gives_the_faults():
+    console = ('[   33.6] {"prog":"churn","tag":"churn","iterations":2,"total_faults":262144}\n'
+               "FREEPAGE-EXIT 0\n")
+    assert insntrace.churn_faults(console) == 262144
+    with pytest.raises(LabError, match="no churn record"):
+        insntrace.churn_faults("FREEPAGE-EXIT 0\n")
+
+
+def test_fault_table_puts_the_largest_difference_first():
+    table = insntrace.fault_table({"stock": {"a": 10.0, "b": 5.0},
+                                   "series": {"a": 10.5, "b": 8.0}}).splitlines()
+    assert table[1].split() == ["b", "5.0", "8.0", "+3.0"]
+    assert table[-1].split() == ["total", "15.0", "18.5", "+3.5"]
+
+
+def test_fault_trace_dry_run_builds_the_plugin_and_boots_each_kernel_twice(
+        capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path / "cache"))
+    assert cli.main(["--dry-run", "trace", "--loop", "fault"]) == 0
+    err = capsys.readouterr().err
+    assert "lab/qemu-plugin/blockcount.c" in err and "$ gcc -shared" in err
+    boots = [line for line in err.splitlines() if line.startswith("$ qemu-system-x86_64")]
+    assert len(boots) == 4 and all("libblockcount.so,out=" in b and "nokaslr" in b
+                                   and "-icount shift=0" in b for b in boots)
+    assert "page-zeroed-bench.patch" not in err
