@@ -22,7 +22,8 @@ divided by the difference in page faults is what one fault of the loop
 costs, settling subtracted out; the plugin starts counting when the guest
 first runs user space, so the kernel's boot (whose clock calibration loops
 run as long as the host lets them) stays out. Interrupts and the timer
-are in it, as in the loop; a `rep stos` counts as one instruction.
+are in it, as in the loop. Under -icount every iteration of a `rep stos`
+is counted, so clearing a 4 KiB page with `rep stosb` is 4096 of them.
 """
 
 from __future__ import annotations
