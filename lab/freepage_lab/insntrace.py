@@ -147,6 +147,18 @@ def one_iteration(pcs: list[int], syms: Symbols, anchor: str = ANCHOR) -> Iterat
     return Iteration(length, {n: counts[n] for n in order}, lengths)
 
 
+def tcg_argv(image: Path, initrd: Path, mem_mib: int, console: Path, cmdline: str,
+             extra: list[str]) -> list[str]:
+    """One vCPU under TCG, console to a file, KASLR off so that the
+    vmlinux's symbols name the addresses; `extra`: more QEMU arguments."""
+    append = " ".join(w for w in ("console=ttyS0 panic=-1", cmdline, "nokaslr quiet loglevel=4")
+                      if w)
+    return ["qemu-system-x86_64", "-machine", "pc,accel=tcg", "-cpu", "max", "-smp", "1",
+            "-m", f"{mem_mib}M", "-kernel", str(image), "-initrd", str(initrd),
+            "-append", append, "-display", "none", "-monitor", "none", "-nodefaults",
+            "-no-reboot", "-serial", f"file:{console}", *extra]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -161,11 +173,8 @@ def trace_kernel(shell: Shell, build_dir: Path, initrd: Path, work: Path,
     port = _free_port()
     script = work / "trace_gdb.py"
     out = work / "pcs.txt"
-    qemu = ["qemu-system-x86_64", "-machine", "pc,accel=tcg", "-cpu", "max", "-smp", "1",
-            "-m", "512M", "-kernel", str(image), "-initrd", str(initrd),
-            "-append", "console=ttyS0 panic=-1 nokaslr quiet loglevel=4",
-            "-display", "none", "-monitor", "none", "-nodefaults", "-no-reboot",
-            "-serial", f"file:{work / 'console.log'}", "-S", "-gdb", f"tcp:127.0.0.1:{port}"]
+    qemu = tcg_argv(image, initrd, 512, work / "console.log", "",
+                    ["-S", "-gdb", f"tcp:127.0.0.1:{port}"])
     gdb = ["gdb", "-q", "-batch", "-nx", "-ex", f"source {script}",
            "-ex", f"python trace({port}, '{out}', {warm}, {steps})", str(vmlinux)]
     if shell.dry_run:
@@ -317,11 +326,8 @@ def count_blocks(shell: Shell, build_dir: Path, initrd: Path, plugin: Path, work
     # -icount: guest time is instructions, so timers land at the same
     # places in every boot, and the free lists the loop meets do not
     # depend on the host's speed
-    qemu = ["qemu-system-x86_64", "-machine", "pc,accel=tcg", "-cpu", "max", "-smp", "1",
-            "-icount", "shift=0", "-m", "2048M", "-kernel", str(image), "-initrd", str(initrd),
-            "-append", "console=ttyS0 panic=-1 fp.halt=reboot nokaslr quiet loglevel=4",
-            "-display", "none", "-monitor", "none", "-nodefaults", "-no-reboot",
-            "-serial", f"file:{console}", "-plugin", f"{plugin},out={counts}"]
+    qemu = tcg_argv(image, initrd, 2048, console, "fp.halt=reboot",
+                    ["-icount", "shift=0", "-plugin", f"{plugin},out={counts}"])
     shell.show(qemu)
     if shell.dry_run:
         return [], ""
