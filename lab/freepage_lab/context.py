@@ -85,7 +85,7 @@ class RunContext:
         the series' cost, or None. Without bench.config the series' kernel
         is the lab's test kernel: the debug verifier, KUnit and CMA are on
         its side only (a fault-and-unmap loop took 1.09x of stock's guest
-        time that way, 1.00x with bench.config on both)."""
+        time that way, 1.00-1.03x with bench.config on both)."""
         specs = [k.spec for k in self._kernels.values()]
         # the series whose fragment turns the debug verifier and KUnit on
         series = [s for s in specs
