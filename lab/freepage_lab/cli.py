@@ -64,8 +64,10 @@ def cmd_series(args: argparse.Namespace, shell: Shell) -> int:
     if args.action == "build-each":
         arches = tuple(a for a in args.arch.split(",") if a)
         return report([prefixbuild.build_each(shell, queue, arches, not args.no_kunit)])
-    # each series applies to pristine 6.12 after the series it requires
-    queues = [kernel.QUEUES[args.queue]] if args.queue else list(kernel.QUEUES.values())
+    # each series applies to pristine 6.12 after the series it requires; so
+    # does the platform support of each arch
+    queues = [kernel.QUEUES[args.queue]] if args.queue else [*kernel.QUEUES.values(),
+                                                             *kernel.PLATFORM_QUEUES.values()]
     return report([kernel.check(shell, q) for q in queues])
 
 

@@ -49,6 +49,21 @@ QUEUES = {
 }
 
 
+# what the lab's kernels of an arch need to run on its hosts, applied before
+# any series, to the stock kernel too (platforms.Arch.platform_series): not
+# part of what the series ask a maintainer to take
+PLATFORM_QUEUES = {a.name: Queue(a.platform_series, paths.KERNEL_DIR, bench_dir=paths.KERNEL_DIR,
+                                 fragments=())
+                   for a in platforms.ARCHES.values() if a.platform_series}
+
+
+def with_platform(arch: str, series: Series) -> Series:
+    """`series` after the platform patches of `arch` (PLATFORM_QUEUES)."""
+    if arch not in PLATFORM_QUEUES:
+        return series
+    return Series.joined([PLATFORM_QUEUES[arch]]).plus(series.directory, series.names)
+
+
 def stack(queue: Queue) -> list[Queue]:
     """The series to apply for `queue`, in order, ending with it."""
     return patchqueue.stack(QUEUES, queue)
@@ -299,7 +314,7 @@ def build(shell: Shell, spec: BuildSpec, series: Series | None = None) -> BuiltK
         series = Series.stacked(queue) if spec.patched else Series.empty()
     if not spec.patched:
         series = Series.empty()
-    series = series.plus(queue.bench_dir, spec.extra_patches)
+    series = with_platform(spec.arch, series).plus(queue.bench_dir, spec.extra_patches)
     version = base_version(shell)
     key = build_key(spec, version, series)
     # a direct child of its source tree: see applied_tree()

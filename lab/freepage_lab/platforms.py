@@ -32,6 +32,9 @@ class Arch:
     # the series kernel's command line that lets virtio-balloon take the
     # device's word on zeroed pages (bits 6 and 7 are opt-in in the guest)
     device_init_opt_in: tuple[str, ...] = ()
+    # kernel/<this>/patches: what every kernel of the arch needs to run on
+    # the lab's hosts, stock and series alike ("" = nothing)
+    platform_series: str = ""
 
     @property
     def cc(self) -> str:
@@ -39,7 +42,9 @@ class Arch:
 
 
 ARCHES: dict[str, Arch] = {a.name: a for a in (
-    Arch("um", "linux", "defconfig", device_init_opt_in=("virtio_balloon.device_init=1",)),
+    # platform/um: FP registers as large as the host's XSAVE area (AMX hosts)
+    Arch("um", "linux", "defconfig", device_init_opt_in=("virtio_balloon.device_init=1",),
+         platform_series="platform/um"),
     Arch("x86_64", "arch/x86/boot/bzImage", "tinyconfig",
          device_init_opt_in=("virtio_balloon.device_init=1",)),
     # Debian's busybox-static:arm64 is not Multi-Arch: unpacked from the .deb

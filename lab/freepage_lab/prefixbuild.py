@@ -127,6 +127,12 @@ def _build_each(shell: Shell, queue: kernel.Queue, arches: tuple[str, ...], with
     if not shell.dry_run:
         src.parent.mkdir(parents=True, exist_ok=True)
     shell.run(["cp", "-al", base, src], what="link base tree")
+    # what the arches need to run on this host comes first, as in every
+    # build of theirs (kernel.with_platform); it touches only their arch
+    for arch in arches:
+        for patch in kernel.with_platform(arch, kernel.Series.empty()).files:
+            shell.run(["patch", "-p1", "-N", "-s", "--no-backup-if-mismatch", "-d", src,
+                       "-i", patch], what=f"platform patch {patch.name} does not apply")
     outs = {arch: src / f"{arch}-prefix-build" for arch in arches}
     for out in outs.values():
         if not shell.dry_run:

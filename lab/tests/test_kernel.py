@@ -83,13 +83,35 @@ def test_builds_are_direct_children_of_their_source_tree(tmp_path, monkeypatch, 
     (tmp_path / "a.patch").write_text("one")
     series = kernel.Series(tmp_path, ("a.patch",))
     shell = Shell(dry_run=True)
-    built = kernel.build(shell, kernel.BuildSpec("um"), series)
+    built = kernel.build(shell, kernel.BuildSpec("x86_64"), series)
     tree = kernel.tree_path(shell, series)
     assert built.out_dir.parent == tree and tree.parent == tmp_path / "src"
     out = capsys.readouterr().err
-    assert f"make -C {tree} O={built.out_dir} ARCH=um" in out
+    assert f"make -C {tree} O={built.out_dir} ARCH=x86_64" in out
     # the stock kernel gets a tree of its own: the pristine base stays clean
-    stock = kernel.build(shell, kernel.BuildSpec("um", patched=False))
+    stock = kernel.build(shell, kernel.BuildSpec("x86_64", patched=False))
     assert stock.out_dir.parent == kernel.tree_path(shell, kernel.Series.empty()) != tree
     (tmp_path / "a.patch").write_text("two")
     assert kernel.tree_path(shell, series) != tree
+
+
+def test_uml_kernels_stock_and_series_carry_the_platform_patches_first(tmp_path, monkeypatch,
+                                                                       capsys):
+    """A UML comparison stays like for like: both sides boot on AMX hosts."""
+    from freepage_lab.shell import Shell
+
+    platform = kernel.Series.load(kernel.PLATFORM_QUEUES["um"].patch_dir).files
+    assert platform, "kernel/platform/um/patches/series lists no patch"
+    monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path))
+    shell = Shell(dry_run=True)
+    for patched in (False, True):
+        capsys.readouterr()
+        kernel.build(shell, kernel.BuildSpec("um", patched=patched))
+        applied = [ln.rsplit(" -i ", 1)[1] for ln in capsys.readouterr().err.splitlines()
+                   if ln.startswith("$ patch -p1") and " -i " in ln]
+        assert applied[:len(platform)] == [str(f) for f in platform], applied
+        assert (len(applied) > len(platform)) == patched
+    # the other arches carry none
+    capsys.readouterr()
+    kernel.build(shell, kernel.BuildSpec("x86_64", patched=False))
+    assert "platform" not in capsys.readouterr().err
