@@ -6,17 +6,21 @@ FREEPAGE := $(VENV)/bin/freepage
 PY := $(VENV)/bin/python
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: all deps demo test test-lab test-guest test-kernel test-qemu test-backend test-boot lint clean
+.PHONY: all deps host demo test test-lab test-guest test-kernel test-qemu test-backend test-boot lint clean
 
 all: test
 
 deps:
 	@bash scripts/install-deps.sh
 
-demo: deps
+# what the host offers the guests, and why one cannot run, before anything builds
+host: deps
+	$(FREEPAGE) host
+
+demo: deps host
 	$(FREEPAGE) demo
 
-test: deps lint test-lab test-guest test-kernel test-qemu test-backend test-boot
+test: deps host lint test-lab test-guest test-kernel test-qemu test-backend test-boot
 	@echo "make test: all passed"
 
 lint: deps

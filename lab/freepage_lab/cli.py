@@ -9,7 +9,19 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from . import demo, harness, insntrace, kernel, mmselftests, patchqueue, paths, prefixbuild, qemu, scenarios
+from . import (
+    demo,
+    harness,
+    hostcheck,
+    insntrace,
+    kernel,
+    mmselftests,
+    patchqueue,
+    paths,
+    prefixbuild,
+    qemu,
+    scenarios,
+)
 from . import guest as guest_mod
 from .context import RunContext
 from .demo import medians
@@ -236,10 +248,22 @@ def trace_fault_loop(ctx: RunContext, shell: Shell) -> int:
     return 0
 
 
+def cmd_host(args: argparse.Namespace, shell: Shell) -> int:
+    """What this host offers the guests; 1 with the reasons where one cannot run."""
+    host = hostcheck.facts()
+    print("\n".join(host.lines()))
+    if args.json:
+        hostcheck.save(Path(args.json), host)
+    problems = host.problems()
+    for problem in problems:
+        print(f"freepage host: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
 def cmd_demo(args: argparse.Namespace, shell: Shell) -> int:
     """Stock vs freepage, side by side, for every feature that exists."""
-    demo.run(shell, args.accel, args.quick, tuple(args.only))
-    return 0
+    _, failed = demo.run(shell, args.accel, args.quick, tuple(args.only))
+    return 1 if failed else 0
 
 
 def report(results: list[StageResult]) -> int:
@@ -356,6 +380,12 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=3000,
                    help="fastpath: instructions to single-step (several iterations must fit)")
     t.set_defaults(func=cmd_trace)
+    h = sub.add_parser("host", help="what this host offers the guests (CPU and its XSAVE "
+                       "area, ptrace, UML's memory file, KVM, QEMU); exit 1 where a guest "
+                       "cannot run, with the reason")
+    h.add_argument("--json", metavar="FILE", help="also write the findings as JSON")
+    h.set_defaults(func=cmd_host)
+
     d = sub.add_parser("demo", help="stock vs freepage, side by side, for every feature")
     d.add_argument("--accel", choices=("auto", "tcg", "kvm"), default="auto")
     d.add_argument("--quick", action="store_true",

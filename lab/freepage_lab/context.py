@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import initramfs, kernel, paths
+from . import hostcheck, initramfs, kernel, paths
 from . import qemu as qemu_mod
 from .platforms import Platform, platform
 from .runners import STOCK_QEMU, Runner, make_runner
@@ -42,6 +42,8 @@ class RunContext:
         run_dir = paths.runs_dir() / f"{stamp}-{label}"
         if not shell.dry_run:
             run_dir.mkdir(parents=True, exist_ok=True)
+            # which CPU the figures come from (`freepage host`)
+            hostcheck.save(run_dir / "host.json", hostcheck.facts())
         return cls(shell=shell, run_dir=run_dir, **kw)  # type: ignore[arg-type]
 
     def on(self, platform_name: str, **kw: object) -> RunContext:

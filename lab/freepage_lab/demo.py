@@ -21,7 +21,7 @@ from typing import Any
 from . import scenarios
 from .context import RunContext
 from .scenarios import Outcome, table
-from .shell import Shell
+from .shell import LabError, Shell
 
 
 @dataclass(frozen=True)
@@ -146,18 +146,52 @@ def run_step(step: Step, stock: RunContext, freepage: RunContext, quick: bool) -
     return side_by_side(a.data, b.data)
 
 
-def run(shell: Shell, accel: str, quick: bool, only: tuple[str, ...] = ()) -> Path:
-    stock, freepage = contexts(shell, accel)
-    texts = []
-    for step in STEPS:
-        if only and step.scenario not in only:
-            continue
+@dataclass
+class Done:
+    """A step as it ended: its table, or why it failed."""
+
+    step: Step
+    text: str
+    error: str = ""
+
+
+def run_steps(steps: tuple[Step, ...], stock: RunContext, freepage: RunContext,
+              quick: bool) -> list[Done]:
+    """Every step in turn; one that fails says why and the next one runs."""
+    done = []
+    for step in steps:
         head = f"== {step.title} [{step.scenario} on {step.platform}] =="
         print(head, flush=True)
-        text = run_step(step, stock, freepage, quick)
+        try:
+            text = run_step(step, stock, freepage, quick)
+            done.append(Done(step, text))
+        except Exception as exc:  # a failed step must not end the demo
+            why = str(exc) if isinstance(exc, LabError) else f"{type(exc).__name__}: {exc}"
+            text = f"step failed: {why}"
+            done.append(Done(step, text, why.splitlines()[0] if why else type(exc).__name__))
         print(text, flush=True)
-        texts.append(f"{head}\n{text}")
+    return done
+
+
+def summary(done: list[Done]) -> str:
+    """One row per step: ran or failed, and the first line of why."""
+    rows = [[f"{d.step.scenario} on {d.step.platform}", "failed" if d.error else "ok",
+             d.error[:100]] for d in done]
+    failed = sum(1 for d in done if d.error)
+    return (table(["step", "result", "why"], rows)
+            + f"\n{len(done) - failed} of {len(done)} steps ran, {failed} failed")
+
+
+def run(shell: Shell, accel: str, quick: bool, only: tuple[str, ...] = ()) -> tuple[Path, int]:
+    """The demo's steps; (run directory, steps that failed)."""
+    stock, freepage = contexts(shell, accel)
+    steps = tuple(s for s in STEPS if not only or s.scenario in only)
+    done = run_steps(steps, stock, freepage, quick)
+    texts = [f"== {d.step.title} [{d.step.scenario} on {d.step.platform}] ==\n{d.text}"
+             for d in done]
+    total = summary(done)
+    print(f"== summary ==\n{total}", flush=True)
     if not shell.dry_run:
-        (stock.run_dir / "summary.txt").write_text("\n\n".join(texts) + "\n")
+        (stock.run_dir / "summary.txt").write_text("\n\n".join([*texts, total]) + "\n")
     print(f"results: {stock.run_dir}")
-    return stock.run_dir
+    return stock.run_dir, sum(1 for d in done if d.error)

@@ -24,6 +24,17 @@ from .procfs import group_members
 from .shell import LabError, Shell
 
 PANIC_RE = re.compile(r"Kernel panic - not syncing.*|BUG: .*|Oops: .*")
+# what a console line says of the host when a guest dies of it: the one line
+# a failure gives instead of the panic it ends in
+HOST_CAUSES = (
+    (re.compile(r"ptrace set fp regs failed, errno = 14\b"),
+     "the host refused UML's FP registers (EFAULT): its XSAVE area is larger than the buffer "
+     "this UML kernel passes (AMX hosts; `freepage host` shows the sizes); the lab's UML "
+     "kernels carry kernel/platform/um for this"),
+    (re.compile(r"must be not mounted noexec"),
+     "UML cannot map its memory file executable: set TMPDIR to a directory without noexec "
+     "(`freepage host`)"),
+)
 
 _live: set[Guest] = set()
 _live_lock = threading.Lock()
@@ -169,10 +180,20 @@ class Guest:
         with self._cond:
             return "\n".join(f"    {ln.text}" for ln in self.lines[-n:])
 
+    def host_cause(self) -> str:
+        """What the console says of the host that made the guest fail, or ""."""
+        with self._cond:
+            texts = [ln.text for ln in self.lines]
+        for rx, cause in HOST_CAUSES:
+            if any(rx.search(text) for text in texts):
+                return cause
+        return ""
+
     def error(self, why: str) -> GuestError:
-        """A GuestError carrying the console tail."""
-        return GuestError(f"{self.name}: {why}; last console lines (full log {self.log_path}):\n"
-                          f"{self.tail()}")
+        """A GuestError carrying the console tail (and the host's part in it)."""
+        cause = self.host_cause()
+        return GuestError(f"{self.name}: {why}" + (f"\n  cause: {cause}" if cause else "")
+                          + f"\n  last console lines (full log {self.log_path}):\n{self.tail()}")
 
     def wait_for(self, pattern: str, timeout: float,
                  start_index: int = 0) -> tuple[int, ConsoleLine, re.Match[str]]:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from freepage_lab import harness, kernel, paths
+from freepage_lab import harness, hostcheck, kernel, paths
 from freepage_lab.context import RunContext
 from freepage_lab.guest import GuestError
 from freepage_lab.procfs import group_members
@@ -31,6 +31,45 @@ def test_uml_boots_and_hands_out_zeroed_memory(lab):
     recs = boot(lab, lab.context("uml"), CHECK_SCRIPT.replace("ls /sys", "true || ls /sys"),
                 lab.BARE, mem_mib=256)
     assert [r["nonzero_bytes"] for r in recs] == [0, 0]
+
+
+FPKEEP = "fpkeep --procs 4 --rounds 20000\n"
+
+
+def xsave_line(booted: harness.Booted) -> str:
+    said = [ln for ln in booted.lines if ln.startswith("Host XSAVE area for ptrace:")]
+    assert said, "the UML kernel did not say how large the host's XSAVE area is"
+    return said[0]
+
+
+def test_uml_keeps_fp_registers_in_an_area_sized_from_the_host(lab):
+    """kernel/platform/um: UML measures the host's XSAVE area at start-up as
+    the host check does, and every process keeps its vector registers
+    across system calls, switches and fork."""
+    size, why = hostcheck.ptrace_xstate_bytes()
+    assert size is not None, why or "this host has no XSAVE regset"
+    booted = lab.boot(lab.context("uml"), "test-uml-fp", FPKEEP, lab.BARE, mem_mib=128)
+    fp = max(size, hostcheck.UML_6_12_FP_BYTES)
+    assert xsave_line(booted) == f"Host XSAVE area for ptrace: {size} bytes, FP registers: {fp} bytes"
+    [rec] = booted.records("fpkeep")
+    assert rec["fork_kept"] and rec["procs_changed"] == 0
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["stock", "series"])
+def test_uml_runs_where_the_hosts_xsave_area_outgrows_6_12s_buffer(lab, patched):
+    """On a host with AMX (an 11008-byte area) a 6.12 UML kernel without
+    kernel/platform/um dies at its first user process (EFAULT); the lab's
+    stock and series kernels run."""
+    size, why = hostcheck.ptrace_xstate_bytes()
+    if size is None or size <= hostcheck.UML_6_12_FP_BYTES:
+        pytest.skip(f"this host's XSAVE area is {size or why or 'absent'} bytes, within the "
+                    f"{hostcheck.UML_6_12_FP_BYTES} that 6.12 UML passes: only a host with a "
+                    "larger one (AMX: 11008) shows the fix")
+    ctx = lab.context("uml", patched=patched)
+    booted = lab.boot(ctx, "test-uml-amx", FPKEEP, lab.BARE, mem_mib=128)
+    assert xsave_line(booted).endswith(f"FP registers: {size} bytes")
+    [rec] = booted.records("fpkeep")
+    assert rec["fork_kept"] and rec["procs_changed"] == 0
 
 
 def test_qemu_boots_with_balloon_bound_and_a_real_clock(lab):

@@ -47,3 +47,34 @@ def test_no_zeroing_bit_without_the_reporting_queue(tmp_path):
     cfg = harness.guest_config(ctx, backed, "backed", harness.Plan("true\n"))
     argv = " ".join(harness.runner(ctx, backed).argv(cfg))
     assert "device-init-reported" not in argv and "x-device-init-on-inflate=on" in argv
+
+
+def test_a_failed_step_says_why_and_the_demo_goes_on(capsys, tmp_path, monkeypatch):
+    """A host on which one platform cannot boot still gets every other table."""
+    from freepage_lab.shell import LabError
+
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+
+    def run_step(step, stock, freepage, quick):
+        if step.scenario == "zerofirst":
+            raise LabError("test-uml: guest kernel failed (Kernel panic)\n  cause: the host ...")
+        if step.scenario == "split":
+            raise RuntimeError("no arm64 busybox")
+        return f"table of {step.scenario}"
+
+    monkeypatch.setattr(demo, "run_step", run_step)
+    assert cli.main(["demo", "--quick", "--accel", "tcg"]) == 1
+    out = capsys.readouterr().out
+    ran = [s for s in demo.STEPS if s.scenario not in ("zerofirst", "split")]
+    assert all(f"table of {s.scenario}" in out for s in ran)
+    assert "step failed: test-uml: guest kernel failed (Kernel panic)" in out
+    total = out[out.index("== summary =="):]
+    rows = {" ".join(ln.split()[:3]): " ".join(ln.split()[3:]) for ln in total.splitlines()}
+    assert rows["zerofirst on uml"] == "failed test-uml: guest kernel failed (Kernel panic)"
+    assert rows["split on arm64"] == "failed RuntimeError: no arm64 busybox"
+    assert rows["reclaim on qemu"] == "ok"
+    assert f"{len(ran)} of {len(demo.STEPS)} steps ran, 2 failed" in total
+    [run] = (tmp_path / "runs").iterdir()
+    assert "2 failed" in (run / "summary.txt").read_text()
+    # the figures say which CPU they come from
+    assert "xstate_bytes" in (run / "host.json").read_text()

@@ -58,3 +58,20 @@ def test_interactive_guest_reads_what_the_host_types(tmp_path):
         g.send("go")
         _, line, _ = g.wait_for(r"^got ", 10)
     assert line.text == "got go"
+
+
+def test_uml_whose_fp_registers_the_host_refuses_says_why(tmp_path):
+    """An AMX host's EFAULT ends in the panic and one line naming the cause."""
+    with replay(tmp_path, DATA / "console-uml-xstate-efault.log", "time.sleep(30)\n") as g:
+        with pytest.raises(GuestError, match="Kernel panic") as exc:
+            g.wait_exit(10)
+    said = str(exc.value)
+    assert "cause: the host refused UML's FP registers (EFAULT)" in said
+    assert "kernel/platform/um" in said
+
+
+def test_a_panic_the_host_did_not_cause_names_no_cause(tmp_path):
+    with replay(tmp_path, DATA / "console-panic.log", "time.sleep(30)\n") as g:
+        with pytest.raises(GuestError) as exc:
+            g.wait_exit(10)
+    assert "cause:" not in str(exc.value)
