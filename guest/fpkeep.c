@@ -75,11 +75,11 @@ static long around_syscall(const struct bank *in, struct bank *out, long nr, lon
 #define NR_FORK SYS_fork
 #elif defined(__aarch64__)
 #define LOAD								\
-	"ldp q8, q9, [%[in]]\n\tldp q10, q11, [%[in], #32]\n\t"	\
-	"ldp q12, q13, [%[in], #64]\n\tldp q14, q15, [%[in], #96]\n\t"
+	"ldp q8, q9, [%[in]]\n\tldp q10, q11, [%[in], 32]\n\t"	\
+	"ldp q12, q13, [%[in], 64]\n\tldp q14, q15, [%[in], 96]\n\t"
 #define STORE								\
-	"stp q8, q9, [%[out]]\n\tstp q10, q11, [%[out], #32]\n\t"	\
-	"stp q12, q13, [%[out], #64]\n\tstp q14, q15, [%[out], #96]\n\t"
+	"stp q8, q9, [%[out]]\n\tstp q10, q11, [%[out], 32]\n\t"	\
+	"stp q12, q13, [%[out], 64]\n\tstp q14, q15, [%[out], 96]\n\t"
 #define VREGS "v8", "v9", "v10", "v11", "v12", "v13", "v14", "v15"
 
 static long around_syscall(const struct bank *in, struct bank *out, long nr, long a0)
@@ -91,7 +91,7 @@ static long around_syscall(const struct bank *in, struct bank *out, long nr, lon
 	register long x3 __asm__("x3") = 0;
 	register long x4 __asm__("x4") = 0;
 
-	__asm__ volatile(LOAD "svc #0\n\t" STORE
+	__asm__ volatile(LOAD "svc 0\n\t" STORE
 			 : "+r"(x0)
 			 : [in] "r"(in), [out] "r"(out), "r"(x8), "r"(x1), "r"(x2), "r"(x3),
 			   "r"(x4)
