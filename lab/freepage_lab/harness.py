@@ -358,13 +358,18 @@ def guest_config(ctx: RunContext, variant: Variant, name: str, plan: Plan,
     return replace(cfg, **overrides)
 
 
+def patched_qemu(ctx: RunContext, variant: Variant) -> bool:
+    """Whether the variant boots the build of qemu/'s patch queue: where the
+    device must zero or --patched-qemu asks for it, unless it wants Debian's."""
+    if variant.stock_qemu or not ctx.machine.patched_qemu:
+        return False
+    return (zeroing(ctx, variant) or ctx.patched_qemu or variant.vhost_user
+            or variant.patched_qemu)
+
+
 def runner(ctx: RunContext, variant: Variant) -> Runner:
-    """The platform's runner; on QEMU the patched build where the device
-    must zero or --patched-qemu asks for it, unless the variant wants Debian's."""
-    if variant.stock_qemu:
-        return ctx.runner(patched_qemu=False)
-    return ctx.runner(patched_qemu=zeroing(ctx, variant) or ctx.patched_qemu
-                      or variant.vhost_user or variant.patched_qemu)
+    """The platform's runner; on QEMU the build patched_qemu() says."""
+    return ctx.runner(patched_qemu=patched_qemu(ctx, variant))
 
 
 class Running:
