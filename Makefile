@@ -17,7 +17,9 @@ deps:
 host: deps
 	$(FREEPAGE) host
 
-demo: deps host
+# the demo goes on where the host cannot run a platform: its steps say why
+demo: deps
+	-$(FREEPAGE) host
 	$(FREEPAGE) demo
 
 test: deps host lint test-lab test-guest test-kernel test-qemu test-backend test-boot
