@@ -35,7 +35,6 @@ UML_6_12_FP_BYTES = 2696
 FLAGS = ("xsave", "avx", "avx512f", "pku", "amx_tile", "amx_int8", "amx_bf16")
 
 PTRACE_TRACEME = 0
-PTRACE_KILL = 8
 PTRACE_GETREGSET = 0x4204
 NT_X86_XSTATE = 0x202
 
