@@ -77,7 +77,14 @@ import pytest
 from freepage_lab import guestshell, harness, kernel
 from freepage_lab.initramfs import EVENT
 from freepage_lab.runners import Qmp
-from freepage_lab.scenarios.migrate import Migrate, MigrateParams, capabilities, free_port, wait_status
+from freepage_lab.scenarios.migrate import (
+    Migrate,
+    MigrateParams,
+    capabilities,
+    free_port,
+    source_capabilities,
+    wait_status,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -207,8 +214,10 @@ def test_a_postcopy_destination_gets_the_pages_the_source_skipped(lab) -> None:
             # channel, not behind the slowed background stream
             caps = [*capabilities(params, "postcopy"),
                     {"capability": "postcopy-preempt", "state": True}]
-            for q in (qs, qd):
-                q.execute("migrate-set-capabilities", capabilities=caps)
+            # as the migrate scenario's sources on the patched QEMU: without it
+            # the hinted estimate lets precopy complete before postcopy starts
+            for q, more in ((qs, source_capabilities(params, "postcopy", True)[-1:]), (qd, [])):
+                q.execute("migrate-set-capabilities", capabilities=caps + more)
             qd.execute("migrate-incoming", uri=f"tcp:127.0.0.1:{port}")
             qs.execute("migrate-set-parameters", **{"max-postcopy-bandwidth": 4 << 20})
             qs.execute("migrate", uri=f"tcp:127.0.0.1:{port}")
