@@ -16,9 +16,10 @@ destination that faults on a page the source skipped asked for it in
 vain and its faulting thread stalled until postcopy ended.  The patched
 source sends a skipped page when the destination asks for it.  Above,
 `reuse` mostly recycles pages the source has sent; so a second test
-switches to postcopy at once (with postcopy-preempt, so that the pages
-asked for do not queue behind the background stream), slows postcopy's
-background stream to 4 MiB/s, and then has
+has its guest hold 160 MiB of random data in a file (postcopy's background
+stream sends zero pages in no time), slows both streams to 4 MiB/s, switches to postcopy once the source has
+skipped the guest's free memory (with postcopy-preempt, so that the pages
+asked for do not queue behind the background stream), and then has
 the destination's guest fault in 128 MiB of the memory it freed and
 reported before the migration (skipped: never sent): that must finish
 while the migration is still in postcopy.
@@ -75,6 +76,7 @@ import time
 import pytest
 
 from freepage_lab import guestshell, harness, kernel
+from freepage_lab.guest import GuestError
 from freepage_lab.initramfs import EVENT
 from freepage_lab.runners import Qmp
 from freepage_lab.scenarios.migrate import (
@@ -82,7 +84,6 @@ from freepage_lab.scenarios.migrate import (
     MigrateParams,
     capabilities,
     free_port,
-    source_capabilities,
     wait_status,
 )
 
@@ -101,6 +102,16 @@ BASELINE_PATCHES = {"no-first-pass": "hint-no-first-pass.patch",
 # them takes milliseconds; its used memory (~140 MiB) takes hundreds
 IDLE_DOWNTIME_MS = 200
 MIB = 1 << 20
+# the postcopy skipped-page test: both streams' bandwidth; random data the
+# guest holds in a tmpfs file (~40 s of postcopy's background stream, against
+# the populate's ~7 s); what is left to send once the source has skipped the
+# free memory of its 1 GiB guest (its used memory and that file)
+PRECOPY_BPS = BACKGROUND_BPS = 4 * MIB
+HELD_MIB = 160
+SKIPPED_REMAINING = 400 * MIB
+# the destination's populate of skipped pages takes ~9 s when they are sent
+# as it asks for them; the background stream ~50 s
+POPULATE_S = 60
 # the idle guest may send this much more than its used memory: page tables
 # and free blocks below the hint's 4 MiB
 USED_SLACK = 1.15
@@ -193,6 +204,8 @@ def test_a_postcopy_destination_gets_the_pages_the_source_skipped(lab) -> None:
     script = "\n".join([
         "populate --mib 700 --mode 4k --fill 0xa5 --tag fill",
         guestshell.flush_cmd(),
+        # data postcopy's background stream must send (zero pages cost it nothing)
+        f"dd if=/dev/urandom of=/tmp/held bs=1M count={HELD_MIB} iflag=fullblock 2>/dev/null",
         f"echo {EVENT} ready",
         "read go",
         "populate --mib 128 --mode 4k --fill 0x5a --tag after",
@@ -214,28 +227,45 @@ def test_a_postcopy_destination_gets_the_pages_the_source_skipped(lab) -> None:
             # channel, not behind the slowed background stream
             caps = [*capabilities(params, "postcopy"),
                     {"capability": "postcopy-preempt", "state": True}]
-            # as the migrate scenario's sources on the patched QEMU: without it
-            # the hinted estimate lets precopy complete before postcopy starts
-            for q, more in ((qs, source_capabilities(params, "postcopy", True)[-1:]), (qd, [])):
-                q.execute("migrate-set-capabilities", capabilities=caps + more)
+            for q in (qs, qd):
+                q.execute("migrate-set-capabilities", capabilities=caps)
             qd.execute("migrate-incoming", uri=f"tcp:127.0.0.1:{port}")
-            qs.execute("migrate-set-parameters", **{"max-postcopy-bandwidth": 4 << 20})
+            # slow on both streams: precopy does not complete by itself, and
+            # postcopy's background stream outlasts the destination's populate
+            # by far, so a page it gets in time came because it asked for it
+            qs.execute("migrate-set-parameters", **{"max-bandwidth": PRECOPY_BPS,
+                                                   "max-postcopy-bandwidth": BACKGROUND_BPS})
             qs.execute("migrate", uri=f"tcp:127.0.0.1:{port}")
+            # postcopy starts once the source skips the guest's free memory
+            before = wait_status(qs, "postcopy", (), 120,
+                                 also=lambda i: i.get("ram", {}).get("remaining", MIB << 10)
+                                 < SKIPPED_REMAINING)
             qs.execute("migrate-start-postcopy")
             wait_status(qs, "postcopy", ("postcopy-active", "completed"), 120)
             dst.guest.send("go")
             t0 = time.monotonic()
-            dst.guest.wait_for(rf"^{EVENT} populated", 90)
+            try:
+                dst.guest.wait_for(rf"^{EVENT} populated", POPULATE_S)
+            except GuestError as e:
+                now = qs.execute("query-migrate")
+                assert isinstance(now, dict)
+                pytest.fail(f"the destination's guest did not fault in 128 MiB of skipped pages "
+                            f"in {POPULATE_S} s (migration {now.get('status')}, "
+                            f"{now.get('ram', {}).get('postcopy-requests')} requests, "
+                            f"{now.get('ram', {}).get('remaining')} bytes left): the source "
+                            f"did not send the pages it asked for ({e})")
             took = time.monotonic() - t0
             status = qs.execute("query-migrate")
             assert isinstance(status, dict)
+            qs.execute("migrate-set-parameters", **{"max-postcopy-bandwidth": 0})
             info = wait_status(qs, "postcopy", ("completed",), 240)
         finally:
             qs.close()
             qd.close()
         warnings = harness.kernel_warnings(dst.booted.lines)
     ram = info.get("ram", {})
-    print(f"populate took {took:.1f} s, migration {status.get('status')} then; "
+    print(f"postcopy started with {before['ram']['remaining'] >> 20} MiB left; "
+          f"populate took {took:.1f} s, migration {status.get('status')} then; "
           f"{ram.get('postcopy-requests')} requests, {ram.get('postcopy-bytes', 0) >> 20} MiB "
           f"in postcopy, {info.get('total-time')} ms in all")
     assert not warnings, warnings
