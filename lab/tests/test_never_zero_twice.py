@@ -336,3 +336,44 @@ echo 'report in flight: powering off'
     text = lab.boot(ctx, "poweroff", script, variant, mem_mib=512, timeout_s=120).lines
     assert "report in flight: powering off" in text, text[-20:]
     assert not [t for t in text if "WARNING" in t or "BUG" in t], text
+
+
+# what PREEMPT_RT with DEBUG_ATOMIC_SLEEP and lockdep print for a sleeping
+# lock taken where the caller may not sleep, or a lock order they reject
+RT_SPLATS = ("sleeping function called from invalid context", "BUG:",
+             "possible circular locking", "inconsistent lock state", "Bad page")
+
+
+def test_rt_kernel_runs_the_series_without_a_splat(lab):
+    """The series on PREEMPT_RT with lockdep and DEBUG_ATOMIC_SLEEP
+    (kernel/configs/rt.config), two vCPUs: the KUnit suites at boot, then
+    memory reported to the zeroing device, populated again (known zero
+    pages skip clearing) and pre-zeroing turned on where it is built.
+    spinlock_t sleeps on RT: pre-zeroing took zone->lock with preemption
+    off ("BUG: sleeping function called from invalid context at
+    kernel/locking/spinlock_rt.c:48", in_atomic(): 1, from kprezerod);
+    it now depends on !PREEMPT_RT."""
+    ctx = lab.context("qemu", patched=True, extra_fragments=("rt.config",))
+    script = "\n".join([
+        "p=/sys/kernel/mm/prezero/enabled",
+        'if [ -e $p ]; then echo 1 > $p && echo "prezero on"; else echo "prezero not built"; fi',
+        "populate --mib 256 --mode 4k --fill 0xa5 --tag fill",
+        guestshell.flush_cmd(),
+        "populate --mib 256 --mode 4k --verify --tag again",
+        "sleep 3",
+        "grep -E '^pgzero_(skipped|marked_reported|prezero_cleared) ' /proc/vmstat",
+    ]) + "\n"
+    booted = lab.boot(ctx, "rt", script, harness.Variant("rt", zeroing=True), mem_mib=1024,
+                      smp=2, cmdline=("loglevel=7",), timeout_s=900)
+    splats = [t for t in booted.lines if any(s in t for s in RT_SPLATS)]
+    assert not splats, splats
+    res = kunit.parse(booted.lines)
+    assert "page_zeroed" in res.suites and "page_reporting" in res.suites, res.suites
+    assert res.ok, (res.diagnostics or res.failed, res.suites)
+    assert {k: v for k, v in res.skipped.items() if SMP_RACE_SKIPS.get(k) != v} == {}, \
+        res.skipped
+    assert any(t.strip() == "prezero not built" for t in booted.lines), \
+        "pre-zeroing is built on PREEMPT_RT"
+    assert [r["nonzero_bytes"] for r in booted.records("populate")][-1:] == [0]
+    skipped = [int(t.split()[1]) for t in booted.lines if t.startswith("pgzero_skipped ")]
+    assert skipped and skipped[0] > 0, "no zeroing was skipped: the zero tracking did not run"

@@ -179,3 +179,15 @@ def test_build_each_waits_for_another_build_each_before_it_clears_the_tree(tmp_p
         fcntl.flock(lock, fcntl.LOCK_UN)
     t.join(10)
     assert cleared.is_set() and errors == ["stopped before copying the base tree"]
+
+
+def test_a_report_drops_the_zero_mark_from_the_patch_that_keeps_it_across_isolation():
+    """The first never-zero-twice patch has __isolate_free_page() keep the
+    zero mark, so page reporting sees marked blocks from there on; a report
+    the device has not vouched for must drop the mark in the same patch,
+    not in a later one (a bisect would otherwise land on kernels that hand
+    out memory the host may have replaced as zero)."""
+    first = patchqueue.Series.load(kernel.QUEUES["never-zero-twice"].patch_dir).files[0]
+    drain = added_and_removed(first).get("mm/page_reporting.c", ([], []))[0]
+    assert any("page_zeroed_take(page);" in line for line in drain), \
+        f"{first.name} keeps the zero mark across isolation, and no report drops it"
