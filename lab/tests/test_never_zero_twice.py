@@ -350,9 +350,12 @@ def test_rt_kernel_runs_the_series_without_a_splat(lab):
     memory reported to the zeroing device, populated again (known zero
     pages skip clearing) and pre-zeroing turned on where it is built.
     spinlock_t sleeps on RT: pre-zeroing took zone->lock with preemption
+    off, and KUnit cases took pcp->lock and zone->lock with interrupts
     off ("BUG: sleeping function called from invalid context at
-    kernel/locking/spinlock_rt.c:48", in_atomic(): 1, from kprezerod);
-    it now depends on !PREEMPT_RT."""
+    kernel/locking/spinlock_rt.c:48", in page_zeroed_test_pcp, and with
+    KUnit off 0.3 s after pre-zeroing was enabled). Pre-zeroing now
+    depends on !PREEMPT_RT; the cases stay on their CPU with migration
+    disabled there."""
     ctx = lab.context("qemu", patched=True, extra_fragments=("rt.config",))
     script = "\n".join([
         "p=/sys/kernel/mm/prezero/enabled",
