@@ -73,11 +73,13 @@ class RunContext:
                 self.shell, extra_patches=self.qemu_extra_patches).binary
         return self._qemu["patched"]
 
-    def kernel(self, patched: bool | None = None, extra_patches: tuple[str, ...] = ()) -> Path:
+    def kernel(self, patched: bool | None = None, extra_patches: tuple[str, ...] = (),
+               series_patches: int = 0) -> Path:
         want_patched = self.patched if patched is None else patched
         fragments = (self.extra_fragments if want_patched else
                      tuple(f for f in self.extra_fragments if f in kernel.STOCK_FRAGMENTS))
-        spec = kernel.BuildSpec(self.arch, self.variant, want_patched, fragments, extra_patches)
+        spec = kernel.BuildSpec(self.arch, self.variant, want_patched, fragments, extra_patches,
+                                series_patches)
         if spec.label not in self._kernels:
             self._kernels[spec.label] = kernel.build(self.shell, spec)
         return self._kernels[spec.label].image

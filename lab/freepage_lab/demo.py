@@ -72,12 +72,13 @@ STEPS = (
          "churn", "uml", "own", {"churn_mib": "128", "iterations": "6"},
          {"churn_mib": "128", "iterations": "6", "repeat": "1",
           "variants": "off,stock,freepage"}),
-    Step("faster eager split on arm64 KVM: split work and the ioctls in guest instructions "
-         "(stock / series), next to the source document's cuts",
+    Step("faster eager split on arm64 KVM: split work, split faults and the ioctls in "
+         "emulator instructions, stock and the series step by step (patches 1-3, +4, +5, +6), "
+         "the source document's hardware figures beside patches 1-3",
          "split", "arm64", "own",
-         {"mib": "1024", "rounds": "1",
+         {"mib": "1024", "rounds": "1", "variants": "stock,p1-3,p1-4,p1-5,series",
           "backings": "anonymous,anonymous_thp,anonymous_hugetlb_1gb"},
-         {"mib": "64", "rounds": "1"}),
+         {"mib": "64", "rounds": "1", "variants": "stock,p1-3,p1-4,p1-5,series"}),
     Step("pre-zeroing: 4 KiB populate and in-kernel __GFP_ZERO, stock vs pre-zeroed (UML)",
          "prezero", "uml", "own",
          {"variants": "vanilla,on", "modes": "4k,kzero9", "mem_mib": "1280",

@@ -48,6 +48,8 @@ class Variant:
     patched: bool | None = None
     # test-only patches after the series (kernel/bench/, arm64-split/bench/)
     extra_patches: tuple[str, ...] = ()
+    # a step of the series: its first N patches (0: all)
+    series_patches: int = 0
     # a balloon device at all, and whether it offers free page reporting
     balloon: bool = True
     reporting: bool = True
@@ -136,9 +138,14 @@ FAMILIES: dict[str, dict[str, Variant]] = {name: {v.name: v for v in vs} for nam
         Variant("nt", patched=True, balloon=False),
         Variant("cached", patched=True, balloon=False),
     ),
-    # arm64 eager split: stock vs the arm64-split series
+    # arm64 eager split: stock vs the arm64-split series, and its steps
+    # (patches 1-3: the walk skips tables of pages; 1-4: the table builder;
+    # 1-5: no split where write protection saw no block)
     "split": (
         Variant("stock", patched=False, balloon=False),
+        Variant("p1-3", patched=True, balloon=False, series_patches=3),
+        Variant("p1-4", patched=True, balloon=False, series_patches=4),
+        Variant("p1-5", patched=True, balloon=False, series_patches=5),
         Variant("series", patched=True, balloon=False),
     ),
     # the context's kernel, the balloon with and without reporting
@@ -331,7 +338,8 @@ def daemon_args(variant: Variant) -> list[str]:
 
 def kernel(ctx: RunContext, variant: Variant) -> Path:
     """The variant's kernel image (built once per run)."""
-    return ctx.kernel(patched=variant.patched, extra_patches=variant.extra_patches)
+    return ctx.kernel(patched=variant.patched, extra_patches=variant.extra_patches,
+                      series_patches=variant.series_patches)
 
 
 def guest_config(ctx: RunContext, variant: Variant, name: str, plan: Plan,

@@ -210,11 +210,16 @@ class BuildSpec:
     extra_fragments: tuple[str, ...] = ()
     # test-only patches from kernel/bench/, applied after the series
     extra_patches: tuple[str, ...] = ()
+    # only the first N patches of the series (a step of it); 0: all
+    series_patches: int = 0
 
     def __post_init__(self) -> None:
         platforms.arch(self.arch)
         if self.variant not in VARIANTS:
             raise LabError(f"unknown variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
+        if self.series_patches < 0 or (self.series_patches and not self.patched):
+            raise LabError(f"series_patches={self.series_patches}: a number of patches of "
+                           "the series, for a patched kernel")
 
     def fragments(self) -> list[Path]:
         names = ["common.config", f"{self.arch}.config"]
@@ -241,7 +246,8 @@ class BuildSpec:
     @property
     def label(self) -> str:
         extra = "".join("+" + Path(f).stem for f in (*self.extra_fragments, *self.extra_patches))
-        return f"{self.arch}-{self.variant}-{'patched' if self.patched else 'vanilla'}{extra}"
+        patched = f"patched{self.series_patches or ''}" if self.patched else "vanilla"
+        return f"{self.arch}-{self.variant}-{patched}{extra}"
 
 
 @dataclass(frozen=True)
@@ -314,6 +320,11 @@ def build(shell: Shell, spec: BuildSpec, series: Series | None = None) -> BuiltK
         series = Series.stacked(queue) if spec.patched else Series.empty()
     if not spec.patched:
         series = Series.empty()
+    elif spec.series_patches:
+        if spec.series_patches > len(series.names):
+            raise LabError(f"series_patches={spec.series_patches}: the series has "
+                           f"{len(series.names)} patches")
+        series = Series(series.directory, series.names[:spec.series_patches])
     series = with_platform(spec.arch, series).plus(queue.bench_dir, spec.extra_patches)
     version = base_version(shell)
     key = build_key(spec, version, series)

@@ -10,8 +10,8 @@ from freepage_lab.shell import LabError
 
 
 def rec(backing="anonymous", manual="-g", ns=1000, visits=(1, 1, 128, 65536), enable="0.5",
-        clear="", rc=0, calls=128):
-    stats = f"calls {calls} ns {ns} visits {' '.join(str(v) for v in visits)}"
+        clear="", rc=0, calls=128, breaks=0):
+    stats = f"calls {calls} ns {ns} visits {' '.join(str(v) for v in visits)} breaks {breaks}"
     return {"prog": "split", "backing": backing, "manual": manual, "rc": rc,
             "enable_s": enable, "clear_s": clear, "stats": stats}
 
@@ -37,6 +37,7 @@ def test_guest_script_json_line_is_valid_json_once_the_shell_fills_it_in():
 def test_parse_stats_and_seconds():
     assert split.parse_stats("calls 3 ns 120 visits 1 2 3 4\n") == {
         "split_calls": 3, "split_insns": 120, "visits_by_level": [1, 2, 3, 4]}
+    assert split.parse_stats("calls 3 ns 120 visits 1 2 3 4 breaks 512\n")["split_faults"] == 512
     with pytest.raises(LabError, match="unexpected"):
         split.parse_stats("garbage")
     assert split.seconds_to_insns("1.000000250") == 1_000_000_250
@@ -64,6 +65,9 @@ def test_summary_ratio_and_table():
     assert case["stock"]["visits_identical_across_rounds"]
     out = split.render([case])
     assert "1/1/128/65536" in out and "1/1/128/0" in out and "-50.0%" in out
+    assert case["series"]["split_faults"] == [0, 0]
+    samples["stock"][1]["split_faults"] = 3
+    assert " 0/3 " in split.render(split.summarise_cases(samples))
 
 
 def test_split_refuses_other_platforms_and_bad_params(tmp_path):
@@ -138,7 +142,7 @@ def test_guest_page_size_picks_the_selftest_mode():
     assert "-m 6 -v 1" in split.guest_script(split.Params())
 
 
-def test_ioctl_net_of_the_visit_counting_and_next_to_the_document():
+def test_ioctl_net_of_the_visit_counting():
     def case(variant_ns, visits, manual):
         return split.parse_record(rec(backing="anonymous_thp", manual=manual, visits=visits,
                                       enable=variant_ns, clear=variant_ns))
@@ -150,8 +154,9 @@ def test_ioctl_net_of_the_visit_counting_and_next_to_the_document():
     assert series["ioctl_net_insns"] == 50_000_000 - 8 * 513 - 129 * 128
     [c] = split.summarise_cases({"stock": [stock], "series": [series]})
     out = split.render_ioctls([c])
-    assert "enable (manual off)" in out and "-24.7%" in out  # the document's THP figure
-    assert "yes" in out
+    assert "enable (manual off)" in out and "-49.1%" in out
+    # the document's figure is another change (the walk skip alone, hardware time)
+    assert "-24.7%" not in out and "yes" not in out
     on = split.parse_record(rec(manual="manual", visits=(0, 1, 1, 0), enable="", clear="1.0",
                                 calls=1))
     assert on["ioctl_net_insns"] == 1_000_000_000 - 16 - 129
@@ -175,3 +180,33 @@ def test_bad_guest_page_size_is_refused(tmp_path):
     ctx = RunContext(shell=Shell(dry_run=True), run_dir=tmp_path, platform="arm64")
     with pytest.raises(LabError, match="guest_page_kib"):
         split.Split().run(ctx, split.Split().params({"guest_page_kib": "8"}))
+
+
+def test_step_table_puts_the_document_beside_patches_1_to_3():
+    def thp(variant_s):
+        return split.parse_record(rec(backing="anonymous_thp", visits=(0, 0, 0, 0), calls=0,
+                                      enable=variant_s))
+    samples = {"stock": [thp("0.100000000")], "p1-3": [thp("0.080000000")],
+               "p1-4": [thp("0.010000000")], "series": [thp("0.005000000")]}
+    out = split.render_steps(split.summarise_cases(samples))
+    head, row = out.splitlines()[0].split(), out.splitlines()[2]
+    assert head[3:6] == ["p1-3", "document", "(hw"]  # the document right after patches 1-3
+    assert "80.00 (-20.0%)  -24.7%" in row and "5.00 (-95.0%)" in row
+    assert "p1-5" not in head  # a step not run has no column
+    assert "not time" in out
+
+
+def test_split_steps_are_prefixes_of_the_series(tmp_path):
+    from freepage_lab import harness, kernel
+
+    fam = harness.family("split")
+    assert [fam[v].series_patches for v in split.STEPS] == [3, 4, 5, 0]
+    with pytest.raises(LabError, match="for a patched kernel"):
+        kernel.BuildSpec("arm64", patched=False, series_patches=3)
+    assert kernel.BuildSpec("arm64", series_patches=3).label == "arm64-release-patched3"
+    from freepage_lab.context import RunContext
+    from freepage_lab.shell import Shell
+
+    ctx = RunContext(shell=Shell(dry_run=True), run_dir=tmp_path, platform="arm64")
+    with pytest.raises(LabError, match="include stock"):
+        split.Split().run(ctx, split.Split().params({"variants": "series"}))
