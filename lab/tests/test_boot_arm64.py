@@ -51,4 +51,5 @@ def test_arm64_kvm_initialises_and_dirty_log_test_passes(lab, kernel: str, kvm_m
     if kernel == "series":
         results = kunit.parse(text.splitlines())
         assert results.ok, results
-        assert results.suites[SPLIT_SUITE]["pass"] >= 10, results
+        # every case of the suite on 4 KiB pages, the -ENOMEM one included
+        assert results.suites[SPLIT_SUITE]["pass"] >= 11, results
