@@ -6,7 +6,9 @@ FREEPAGE := $(VENV)/bin/freepage
 PY := $(VENV)/bin/python
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: all deps host demo test test-lab test-guest test-kernel test-qemu test-backend test-boot lint clean
+# Debian packages of the guest kernel, the patched QEMU and vhost-user-balloon
+# (docs/operators.md), from the cached builds, lintian-checked, into packages/
+.PHONY: all deps host demo packages test test-lab test-guest test-kernel test-qemu test-backend test-boot lint clean
 
 all: test
 
@@ -21,6 +23,9 @@ host: deps
 demo: deps
 	-$(FREEPAGE) host
 	$(FREEPAGE) demo
+
+packages: deps
+	$(FREEPAGE) package --out $(CURDIR)/packages
 
 test: deps host lint test-lab test-guest test-kernel test-qemu test-backend test-boot
 	@echo "make test: all passed"

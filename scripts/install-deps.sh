@@ -18,6 +18,9 @@ apt_packages=(
 	# the static mm selftests (ksm_tests, migration; mlock-random-test,
 	# memfd_secret; the io_uring cases of cow and gup_longterm)
 	libnuma-dev libcap-dev liburing-dev
+	# `freepage package`: the kernel's bindeb-pkg (debhelper), man pages from
+	# --help, lintian; the install test's Debian 12 root (mmdebstrap)
+	debhelper help2man lintian mmdebstrap
 )
 # QEMU 10.0 is the x86 platform: Debian's stock build is the baseline (7.2
 # crashes the destination of a migrating guest), the meson it needs to build

@@ -16,6 +16,7 @@ from . import (
     insntrace,
     kernel,
     mmselftests,
+    packages,
     patchqueue,
     paths,
     prefixbuild,
@@ -248,6 +249,15 @@ def trace_fault_loop(ctx: RunContext, shell: Shell) -> int:
     return 0
 
 
+def cmd_package(args: argparse.Namespace, shell: Shell) -> int:
+    """Debian packages of the guest kernel, the patched QEMU and the daemon."""
+    results = packages.package_all(shell, Path(args.out), tuple(args.only))
+    rc = report(results)
+    if not shell.dry_run and rc == 0:
+        print(f"packages: {Path(args.out).resolve()}")
+    return rc
+
+
 def cmd_host(args: argparse.Namespace, shell: Shell) -> int:
     """What this host offers the guests; 1 with the reasons where one cannot run."""
     host = hostcheck.facts()
@@ -380,6 +390,15 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=3000,
                    help="fastpath: instructions to single-step (several iterations must fit)")
     t.set_defaults(func=cmd_trace)
+    pk = sub.add_parser("package", help="Debian packages of the guest kernel "
+                        "(linux-image-*-freepage), the patched QEMU "
+                        f"({packages.QEMU_PACKAGE}) and {packages.DAEMON_PACKAGE}, from the "
+                        "cached builds, lintian-checked")
+    pk.add_argument("--out", default=str(paths.REPO / "packages"),
+                    help="directory the .debs are copied into (default: packages/)")
+    pk.add_argument("--only", action="append", default=[], choices=packages.WHAT,
+                    help="build only this package (repeatable)")
+    pk.set_defaults(func=cmd_package)
     h = sub.add_parser("host", help="what this host offers the guests (CPU and its XSAVE "
                        "area, ptrace, UML's memory file, KVM, QEMU); exit 1 where a guest "
                        "cannot run, with the reason")
