@@ -8,7 +8,7 @@ export PATH := $(HOME)/.cargo/bin:$(PATH)
 
 # Debian packages of the guest kernel, the patched QEMU and vhost-user-balloon
 # (docs/operators.md), from the cached builds, lintian-checked, into packages/
-.PHONY: all deps host demo packages test test-lab test-guest test-kernel test-qemu test-backend test-boot lint clean
+.PHONY: all deps host demo packages test-packages test test-lab test-guest test-kernel test-qemu test-backend test-boot lint clean
 
 all: test
 
@@ -26,6 +26,10 @@ demo: deps
 
 packages: deps
 	$(FREEPAGE) package --out $(CURDIR)/packages
+
+# the packages in a fresh Debian 12 root, booted (also part of test-boot)
+test-packages: deps
+	$(VENV)/bin/pytest -q -m slow lab/tests/test_packages_install.py
 
 test: deps host lint test-lab test-guest test-kernel test-qemu test-backend test-boot
 	@echo "make test: all passed"
