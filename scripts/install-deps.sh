@@ -27,8 +27,10 @@ apt_packages=(
 # from source is newer than bookworm's; python3-pycotap is a QEMU build dep
 # qemu-system-arm (qemu-system-aarch64, the arm64 platform) shares
 # qemu-system-common with qemu-system-x86, so it comes from backports too
-backports_packages=(qemu-system-x86 meson python3-pycotap qemu-system-arm)
-backports_min=(10.0 1.5 1.3 10.0)
+# libvirt-clients: the host's virsh, which drives the libvirt test's two
+# daemons (each runs libvirt 11.3 in a Debian root of its own)
+backports_packages=(qemu-system-x86 meson python3-pycotap qemu-system-arm libvirt-clients)
+backports_min=(10.0 1.5 1.3 10.0 11.3)
 
 apt_lock=(-o DPkg::Lock::Timeout=900)
 

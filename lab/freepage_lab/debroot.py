@@ -22,8 +22,12 @@ from .packages import cache_root
 from .shell import Shell
 
 DEBIAN_SUITE = "bookworm"
-# Debian's qemu-system-x86 comes along: ours must install beside it
-ROOT_EXTRA = ("qemu-system-x86",)
+# Debian's qemu-system-x86 comes along (ours must install beside it), and
+# libvirt's daemon and virsh (the libvirt test runs one daemon per root)
+ROOT_EXTRA = ("qemu-system-x86", "libvirt-daemon", "libvirt-daemon-driver-qemu", "libvirt-clients")
+# what Debian 12 has of QEMU and libvirt in backports (10.0, 11.3) wins,
+# as `apt install -t bookworm-backports` would have it
+DEFAULT_RELEASE = f"{DEBIAN_SUITE}-backports"
 
 
 def debian_mirror() -> str:
@@ -59,7 +63,7 @@ def debian_root(shell: Shell, include: list[str]) -> Path:
     """A Debian 12 root tarball (mmdebstrap, apt variant) with `include`
     installed from the Debian mirror, cached by (suite, sources, packages)."""
     include = sorted({*include, *ROOT_EXTRA})
-    h = hashlib.sha256(f"{DEBIAN_SUITE}\0apt\0".encode())
+    h = hashlib.sha256(f"{DEBIAN_SUITE}\0apt\0{DEFAULT_RELEASE}\0".encode())
     for part in (*root_sources(), *include):
         h.update(part.encode() + b"\0")
     key = h.hexdigest()[:16]
@@ -68,6 +72,7 @@ def debian_root(shell: Shell, include: list[str]) -> Path:
 
     def make(_src: Path, dest: Path) -> bool:
         shell.run(["nice", "-n", "5", "mmdebstrap", "--variant=apt", "--mode=root",
+                   f'--aptopt=APT::Default-Release "{DEFAULT_RELEASE}"',
                    "--include=" + ",".join(include), DEBIAN_SUITE, dest / tar.name,
                    *root_sources()], log=dest / "mmdebstrap.log", what="mmdebstrap")
         return not shell.dry_run

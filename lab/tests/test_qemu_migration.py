@@ -51,7 +51,6 @@ Baselines, expected to fail (FREEPAGE_MIGRATION_BASELINE=...):
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
 import time
@@ -62,6 +61,7 @@ import pytest
 
 from freepage_lab import guestshell, harness, kernel, qemu
 from freepage_lab.guest import Guest
+from freepage_lab.guestram import differing_pages
 from freepage_lab.initramfs import BOOTED, EVENT
 from freepage_lab.runners import STOCK_QEMU, QemuRunner, Qmp
 from freepage_lab.scenarios.migrate import free_port
@@ -156,27 +156,6 @@ def kernel_warnings(g: Guest) -> list[str]:
     booted = next((i for i, ln in enumerate(g.lines) if ln.text.startswith(BOOTED)), 0)
     return [ln.text for ln in g.lines[booted:]
             if ln.text.startswith(DMESG) or re.search(r"WARNING:|BUG:", ln.text)]
-
-
-def differing_pages(a: Path, b: Path, limit: int = 5) -> tuple[int, list[int]]:
-    """4 KiB pages in which two guest memory dumps differ (count, first GPAs)."""
-    count, first = 0, []
-    with open(a, "rb") as fa, open(b, "rb") as fb:
-        ma = mmap.mmap(fa.fileno(), 0, access=mmap.ACCESS_READ)
-        mb = mmap.mmap(fb.fileno(), 0, access=mmap.ACCESS_READ)
-        assert len(ma) == len(mb), (len(ma), len(mb))
-        chunk = 1 << 24
-        for off in range(0, len(ma), chunk):
-            if ma[off:off + chunk] == mb[off:off + chunk]:
-                continue
-            for page in range(off, min(off + chunk, len(ma)), 4096):
-                if ma[page:page + 4096] != mb[page:page + 4096]:
-                    count += 1
-                    if len(first) < limit:
-                        first.append(page)
-        ma.close()
-        mb.close()
-    return count, first
 
 
 def dump(qmp: Qmp, mib: int, path: Path) -> Path:
