@@ -27,9 +27,10 @@ demo: deps
 packages: deps
 	$(FREEPAGE) package --out $(CURDIR)/packages
 
-# the packages in a fresh Debian 12 root, booted (also part of test-boot)
+# the packages in a fresh Debian 12 root, booted; libvirt runs the documented
+# domain and migrates it between two daemons (both also part of test-boot)
 test-packages: deps
-	$(VENV)/bin/pytest -q -m slow lab/tests/test_packages_install.py
+	$(VENV)/bin/pytest -q -m slow lab/tests/test_packages_install.py lab/tests/test_libvirt.py
 
 test: deps host lint test-lab test-guest test-kernel test-qemu test-backend test-boot
 	@echo "make test: all passed"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ from . import (
     hostcheck,
     insntrace,
     kernel,
+    libvirtxml,
     mmselftests,
     packages,
     patchqueue,
@@ -258,6 +260,26 @@ def cmd_package(args: argparse.Namespace, shell: Shell) -> int:
     return rc
 
 
+def cmd_libvirt_enable(args: argparse.Namespace, shell: Shell) -> int:
+    """freepage in an existing libvirt domain (libvirtxml.enable), defined again."""
+    virsh = ["virsh", *(["-c", args.connect] if args.connect else [])]
+    xml = shell.run([*virsh, "dumpxml", "--inactive", args.domain], capture=True,
+                    what=f"virsh dumpxml {args.domain}")
+    if shell.dry_run:
+        shell.show([*virsh, "define", "<the domain with freepage on>"])
+        return 0
+    new = libvirtxml.enable(xml, hint=not args.no_hint, device_init=not args.no_device_init)
+    if args.print:
+        print(new)
+        return 0
+    with tempfile.NamedTemporaryFile("w", suffix=".xml") as f:
+        f.write(new)
+        f.flush()
+        shell.run([*virsh, "define", f.name], what=f"virsh define {args.domain}")
+    print(f"{args.domain}: freepage on from its next start")
+    return 0
+
+
 def cmd_host(args: argparse.Namespace, shell: Shell) -> int:
     """What this host offers the guests; 1 with the reasons where one cannot run."""
     host = hostcheck.facts()
@@ -399,6 +421,17 @@ def parser() -> argparse.ArgumentParser:
     pk.add_argument("--only", action="append", default=[], choices=packages.WHAT,
                     help="build only this package (repeatable)")
     pk.set_defaults(func=cmd_package)
+    lv = sub.add_parser("libvirt-enable", help="turn freepage on in an existing libvirt "
+                        "domain (docs/operators.md): the packaged QEMU, reporting, hinting, "
+                        "bits 6/7, the guest's opt-in; takes effect at its next start")
+    lv.add_argument("domain")
+    lv.add_argument("--connect", metavar="URI", help="libvirt URI (virsh -c)")
+    lv.add_argument("--no-hint", action="store_true", help="leave free page hinting off")
+    lv.add_argument("--no-device-init", action="store_true",
+                    help="leave the experimental bits 6/7 (x-device-init-*) off")
+    lv.add_argument("--print", action="store_true",
+                    help="print the new domain XML instead of defining it")
+    lv.set_defaults(func=cmd_libvirt_enable)
     h = sub.add_parser("host", help="what this host offers the guests (CPU and its XSAVE "
                        "area, ptrace, UML's memory file, KVM, QEMU); exit 1 where a guest "
                        "cannot run, with the reason")

@@ -68,10 +68,11 @@ class Built:
 
 
 def recipe_digest() -> str:
-    """What packages a build: this module and packaging/."""
+    """What packages a build: this module and the files of packaging/ (not
+    its README, which goes into no package)."""
     h = hashlib.sha256(Path(__file__).read_bytes())
     for f in sorted(PACKAGING_DIR.rglob("*")):
-        if f.is_file():
+        if f.is_file() and f.name != "README.md":
             h.update(str(f.relative_to(PACKAGING_DIR)).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 from test_packages_install import built_debs
 
-from freepage_lab import debroot, guestshell, harness, paths
+from freepage_lab import cli, debroot, guestshell, harness, libvirtxml, paths
 from freepage_lab.guestram import differing_pages
 from freepage_lab.initramfs import EVENT
 from freepage_lab.scenarios import migrate
@@ -211,6 +211,7 @@ def test_libvirt_starts_reports_and_migrates_page_for_page(lab, tmp_path):
         src, dst = daemons
         kernel = "/" + str(next((src.root / "boot").glob("vmlinuz-*-freepage"))
                            .relative_to(src.root))
+        enable_on_an_existing_domain(src, kernel, tmp_path)
         xml = tmp_path / "freepage.xml"
         xml.write_text(domain_xml(kernel))
         src.virsh("create", str(xml))
@@ -248,6 +249,24 @@ def test_libvirt_starts_reports_and_migrates_page_for_page(lab, tmp_path):
     # the same guest migrated by the lab (QMP, the same parameters)
     lab_figures = migrate.Migrate().one(ctx, PARAMS, "precopy", "idle", LAB_VARIANT, 0)
     print(figures_table(jobinfo(job), lab_figures))
+
+
+def enable_on_an_existing_domain(daemon: Libvirtd, kernel: str, tmp_path: Path) -> None:
+    """`freepage libvirt-enable` on a plain domain: libvirt takes the edit and
+    keeps every property of it."""
+    plain = tmp_path / "plain.xml"
+    plain.write_text(f"""<domain type='qemu'><name>plain</name><memory unit='MiB'>256</memory>
+<vcpu>1</vcpu><os><type arch='x86_64' machine='pc'>hvm</type><kernel>{kernel}</kernel>
+<cmdline>console=ttyS0</cmdline></os>
+<devices><memballoon model='virtio'/></devices></domain>""")
+    daemon.virsh("define", str(plain))
+    assert cli.main(["libvirt-enable", "plain", "--connect", daemon.uri]) == 0
+    xml = daemon.virsh("dumpxml", "--inactive", "plain")
+    daemon.virsh("undefine", "plain")
+    for want in ("freePageReporting='on'", "<iothreads>1</iothreads>",
+                 "virtio_balloon.device_init=1", libvirtxml.EMULATOR,
+                 *(f"name='{p}'" for p in libvirtxml.properties(True, True, "iothread1"))):
+        assert want.replace("'", '"') in xml or want in xml, (want, xml)
 
 
 def jobinfo(text: str) -> dict[str, float]:
