@@ -8,6 +8,7 @@ build), the root from mmdebstrap (cached tarball, unpacked afresh).
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from freepage_lab import debroot, guestshell, harness, packages
+from freepage_lab.backend import BalloonBackend
 from freepage_lab.runners import GuestConfig, QemuRunner
 from freepage_lab.scenarios import zeroskip
 from freepage_lab.shell import Shell
@@ -53,6 +55,30 @@ class ChrootQemu(QemuRunner):
                 str(self.root), *argv]
 
 
+class UnitDaemon(BalloonBackend):
+    """vhost-user-balloon as the packaged unit starts it (its ExecStart, the
+    instance name and /etc/default's arguments filled in), inside the root."""
+
+    def __init__(self, root: Path, instance: str, log: Path) -> None:
+        super().__init__(Shell(), root / "run" / "vhost-user-balloon" / f"{instance}.sock", log)
+        self.root = root
+        self.instance = instance
+
+    def start(self) -> None:
+        self.socket.parent.mkdir(parents=True, exist_ok=True)  # systemd's RuntimeDirectory
+        super().start()
+
+    def argv(self, exe: Path) -> list[str]:
+        unit = (self.root / "lib" / "systemd" / "system" / packages.DAEMON_UNIT).read_text()
+        start = next(ln for ln in unit.splitlines() if ln.startswith("ExecStart="))
+        default = (self.root / "etc" / "default" / packages.DAEMON_PACKAGE).read_text()
+        args = re.search(r'^VHOST_USER_BALLOON_ARGS="(.*)"$', default, re.M)
+        assert args is not None, default
+        words = start.removeprefix("ExecStart=").replace("%i", self.instance).split()
+        words = [w for w in words if w != "$VHOST_USER_BALLOON_ARGS"] + args.group(1).split()
+        return ["chroot", str(self.root), *words]
+
+
 def built_debs(tmp_path: Path) -> list[Path]:
     results = packages.package_all(Shell(), tmp_path / "debs")
     assert all(r.ok for r in results), [r.detail for r in results if not r.ok]
@@ -82,6 +108,17 @@ def test_packages_install_beside_debian_and_the_guest_reads_the_bits(lab, tmp_pa
                  "/usr/share/man/man8/vhost-user-balloon.8.gz"):
         assert dpkg_owner(root, path) == packages.DAEMON_PACKAGE, path
 
+    # the daemon as its unit runs it: the experimental bits stay off (what it
+    # offers is in its start-up line; get_counters says it once a front-end came)
+    with UnitDaemon(root, "vm1", tmp_path / "daemon.log") as daemon:
+        assert daemon.request({"cmd": "get_config"})["ok"]
+    m = re.search(r"offered features (0x[0-9a-f]+)", daemon.log.read_text())
+    assert m, daemon.log.read_text()
+    offered = int(m.group(1), 16)
+    bits = (guestshell.BIT_DEVICE_INIT_REPORTED, guestshell.BIT_DEVICE_INIT_ON_INFLATE)
+    assert offered & (1 << 5), hex(offered)  # reporting
+    assert not offered & sum(1 << b for b in bits), hex(offered)
+
     # the lab's never-zero-twice check: reported memory reads zero and its
     # clearing is skipped, on the packaged kernel and QEMU
     ctx = lab.context("qemu", patched=True, patched_qemu=True)
@@ -95,7 +132,6 @@ def test_packages_install_beside_debian_and_the_guest_reads_the_bits(lab, tmp_pa
     booted = harness.check(run.booted)
     assert said(booted, "uname")[0].endswith(packages.KERNEL_LOCALVERSION)
     features = said(booted, "features")[0]
-    bits = (guestshell.BIT_DEVICE_INIT_REPORTED, guestshell.BIT_DEVICE_INIT_ON_INFLATE)
     assert [features[b] for b in bits] == ["1", "1"], features
     measured, vmstat = zeroskip.Zeroskip._guest(booted)
     assert measured and all(r["nonzero_bytes"] == 0 for r in measured), measured
