@@ -67,18 +67,22 @@ class Built:
     lintian: str
 
 
-def recipe_digest() -> str:
-    """What packages a build: this module and the files of packaging/ (not
-    its README, which goes into no package)."""
+# the files of packaging/ that go into each package
+RECIPE_DIRS = {"kernel": (), "qemu": ("qemu",), "daemon": ("vhost-user-balloon",)}
+
+
+def recipe_digest(what: str) -> str:
+    """What packages a build: this module and the package's files in packaging/."""
     h = hashlib.sha256(Path(__file__).read_bytes())
-    for f in sorted(PACKAGING_DIR.rglob("*")):
-        if f.is_file() and f.name != "README.md":
-            h.update(str(f.relative_to(PACKAGING_DIR)).encode() + b"\0" + f.read_bytes())
+    for d in RECIPE_DIRS[what]:
+        for f in sorted((PACKAGING_DIR / d).rglob("*")):
+            if f.is_file():
+                h.update(str(f.relative_to(PACKAGING_DIR)).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 
 
-def package_key(*parts: str) -> str:
-    h = hashlib.sha256(recipe_digest().encode())
+def package_key(what: str, *parts: str) -> str:
+    h = hashlib.sha256(recipe_digest(what).encode())
     for p in parts:
         h.update(p.encode() + b"\0")
     return h.hexdigest()[:16]

@@ -60,8 +60,15 @@ def test_package_key_follows_the_build_and_the_recipe(monkeypatch: pytest.Monkey
     key = packages.package_key("qemu", "abc")
     assert key == packages.package_key("qemu", "abc")
     assert key != packages.package_key("qemu", "abd")
-    monkeypatch.setattr(packages, "recipe_digest", lambda: "another recipe")
+    monkeypatch.setattr(packages, "recipe_digest", lambda what: "another recipe")
     assert key != packages.package_key("qemu", "abc")
+
+
+def test_a_package_is_keyed_by_its_own_packaging_files_only() -> None:
+    assert packages.recipe_digest("kernel") != packages.recipe_digest("daemon")
+    assert set(packages.RECIPE_DIRS) == set(packages.WHAT)
+    for dirs in packages.RECIPE_DIRS.values():
+        assert all((packages.PACKAGING_DIR / d).is_dir() for d in dirs)
 
 
 def test_the_daemon_unit_keeps_the_experimental_bits_off() -> None:
