@@ -1,11 +1,13 @@
-"""The migrate scenario's switchover capability: on for sources on the patched QEMU.
+"""The migrate scenario's capabilities of the patched QEMU: on where it runs.
 
 The QEMU series puts "no switchover before the first pass over RAM has
-ended" behind the experimental capability x-switchover-after-first-pass,
-off by default (stock QEMU's switchover).  The series' figures were
-measured with it, so the scenario turns it on wherever the source runs
-the patched QEMU, and never asks Debian's QEMU for it (which would refuse
-a capability it does not know).
+ended" behind the experimental capability x-switchover-after-first-pass
+(the source's), and "do not send RAM that reads as zero on both sides"
+behind x-skip-unpopulated-ram (both ends', the destination discards its
+RAM first), both off by default (stock QEMU's behaviour).  The series'
+figures were measured with them, so the scenario turns them on wherever
+the patched QEMU runs, and never asks Debian's QEMU for them (which would
+refuse a capability it does not know).
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ import pytest
 from freepage_lab import harness
 from freepage_lab.context import RunContext
 from freepage_lab.scenarios import migrate
-from freepage_lab.scenarios.migrate import FIRST_PASS_CAP, MigrateParams, source_capabilities
+from freepage_lab.scenarios.migrate import (
+    FIRST_PASS_CAP,
+    ZERO_SKIP_CAP,
+    MigrateParams,
+    destination_capabilities,
+    source_capabilities,
+)
 from freepage_lab.shell import Shell
 
 
@@ -26,10 +34,18 @@ def context(tmp_path: Path, **settings: object) -> RunContext:
                       **settings)  # type: ignore[arg-type]
 
 
-def first_pass(caps: list[dict]) -> bool | None:
-    states = [c["state"] for c in caps if c["capability"] == FIRST_PASS_CAP]
+def state(caps: list[dict], name: str) -> bool | None:
+    states = [c["state"] for c in caps if c["capability"] == name]
     assert len(states) <= 1, caps
     return states[0] if states else None
+
+
+def first_pass(caps: list[dict]) -> bool | None:
+    return state(caps, FIRST_PASS_CAP)
+
+
+def zero_skip(caps: list[dict]) -> bool | None:
+    return state(caps, ZERO_SKIP_CAP)
 
 
 def test_the_patched_qemu_variants_are_the_ones_that_get_the_capability(tmp_path) -> None:
@@ -46,9 +62,10 @@ def test_the_patched_qemu_variants_are_the_ones_that_get_the_capability(tmp_path
 def test_the_source_on_the_patched_qemu_switches_over_after_the_first_pass(mode) -> None:
     p = MigrateParams()
     assert first_pass(source_capabilities(p, mode, patched_qemu=True)) is True
-    # the rest is what both ends get
+    # the rest is what both ends get, and the zero skip
     assert [c for c in source_capabilities(p, mode, True)
-            if c["capability"] != FIRST_PASS_CAP] == migrate.capabilities(p, mode)
+            if c["capability"] not in (FIRST_PASS_CAP, ZERO_SKIP_CAP)] == \
+        migrate.capabilities(p, mode)
 
 
 def test_debian_qemu_is_not_asked_for_the_capability() -> None:
@@ -78,3 +95,28 @@ def test_only_the_source_gets_it(monkeypatch) -> None:
             for name, q in (("src", qs), ("dst", qd))}
     assert first_pass(caps["src"][0]) is True
     assert first_pass(caps["dst"][0]) is None
+
+
+def test_both_ends_get_the_zero_skip(monkeypatch) -> None:
+    qs, qd = FakeQmp(), FakeQmp()
+    migrate.Migrate().migrate(MigrateParams(), "t", "postcopy", qs, qd, 1,  # type: ignore[arg-type]
+                              patched_qemu=True)
+    caps = {name: [a["capabilities"] for c, a in q.calls if c == "migrate-set-capabilities"]
+            for name, q in (("src", qs), ("dst", qd))}
+    assert zero_skip(caps["src"][0]) is True
+    assert zero_skip(caps["dst"][0]) is True
+    # the rest of the destination's is what both ends get
+    assert [c for c in caps["dst"][0] if c["capability"] != ZERO_SKIP_CAP] == \
+        migrate.capabilities(MigrateParams(), "postcopy")
+
+
+def test_debian_qemu_is_not_asked_for_the_zero_skip() -> None:
+    for caps in (source_capabilities(MigrateParams(), "precopy", patched_qemu=False),
+                 destination_capabilities(MigrateParams(), "precopy", patched_qemu=False)):
+        assert zero_skip(caps) is None
+
+
+def test_the_parameter_turns_the_zero_skip_off_on_both_ends() -> None:
+    p = MigrateParams(skip_unpopulated=False)
+    assert zero_skip(source_capabilities(p, "precopy", patched_qemu=True)) is False
+    assert zero_skip(destination_capabilities(p, "precopy", patched_qemu=True)) is False

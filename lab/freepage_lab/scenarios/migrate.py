@@ -21,11 +21,14 @@ across the migration; their rate (passes or rounds per second) is the
 workload's throughput.
 
 A source on the patched QEMU switches over only after its first pass over
-RAM has ended: the series puts that behind the experimental migration
-capability x-switchover-after-first-pass (off by default, as in stock
-QEMU), which the scenario turns on there (switchover_after_first_pass=true,
-the default), as the series' figures were measured; Debian's QEMU does
-not have it.
+RAM has ended, and does not send RAM that reads as zero on its side (never
+written, or discarded) to a destination that discarded its own: the series
+puts them behind the experimental migration capabilities
+x-switchover-after-first-pass (the source's) and x-skip-unpopulated-ram
+(both ends'), off by default as in stock QEMU, which the scenario turns on
+where the patched QEMU runs (switchover_after_first_pass=true,
+skip_unpopulated=true, the defaults), as the series' figures were
+measured; Debian's QEMU does not have them.
 
 Modes: "precopy"; "postcopy" (postcopy-ram on both ends, switched to after
 the first pass); "multifd" (multifd_channels channels).
@@ -67,6 +70,10 @@ RATIOS = (("hint", "no-hint"), ("hint", "stock"), ("hint-reported", "stock"),
 # the patched QEMU's migration capability: no switchover before the first
 # pass over RAM has ended (qemu/free-page-hint; off unless set)
 FIRST_PASS_CAP = "x-switchover-after-first-pass"
+# the patched QEMU's migration capability of both ends: the source does not
+# send RAM that reads as zero on its side, the destination discards the RAM
+# it receives first (qemu/free-page-hint; off unless set)
+ZERO_SKIP_CAP = "x-skip-unpopulated-ram"
 
 # heartbeats (one a second) of the destination guest read for its free memory
 DST_BEATS = 4
@@ -95,6 +102,8 @@ class MigrateParams:
     shared_memfd: bool = False  # guest RAM in a shared memfd, as vhost-user needs
     # a source on the patched QEMU switches over after its first pass (FIRST_PASS_CAP)
     switchover_after_first_pass: bool = True
+    # both ends on the patched QEMU skip RAM that reads as zero (ZERO_SKIP_CAP)
+    skip_unpopulated: bool = True
     timeout_s: int = 180
 
 
@@ -140,13 +149,26 @@ def capabilities(p: MigrateParams, mode: str) -> list[dict]:
     return caps
 
 
-def source_capabilities(p: MigrateParams, mode: str, patched_qemu: bool) -> list[dict]:
-    """The source's capabilities: those of both ends, and on the patched
-    QEMU the switchover after the first pass (FIRST_PASS_CAP) as asked."""
-    caps = capabilities(p, mode)
-    if patched_qemu:
+def patched_capabilities(p: MigrateParams, source: bool) -> list[dict]:
+    """The patched QEMU's own capabilities of one end, as asked: the zero
+    skip on both ends (ZERO_SKIP_CAP, which they must agree on), the
+    switchover after the first pass (FIRST_PASS_CAP) on the source."""
+    caps = [{"capability": ZERO_SKIP_CAP, "state": p.skip_unpopulated}]
+    if source:
         caps.append({"capability": FIRST_PASS_CAP, "state": p.switchover_after_first_pass})
     return caps
+
+
+def source_capabilities(p: MigrateParams, mode: str, patched_qemu: bool) -> list[dict]:
+    """The source's capabilities: those of both ends, and on the patched
+    QEMU its own (patched_capabilities())."""
+    return capabilities(p, mode) + (patched_capabilities(p, True) if patched_qemu else [])
+
+
+def destination_capabilities(p: MigrateParams, mode: str, patched_qemu: bool) -> list[dict]:
+    """The destination's capabilities: those of both ends, and on the
+    patched QEMU its own (patched_capabilities())."""
+    return capabilities(p, mode) + (patched_capabilities(p, False) if patched_qemu else [])
 
 
 def wait_status(qmp: Qmp, tag: str, done: tuple[str, ...], timeout_s: float,
@@ -177,12 +199,12 @@ class Migrate(Scenario):
 
     def migrate(self, p: MigrateParams, tag: str, mode: str, qs: Qmp, qd: Qmp,
                 port: int, patched_qemu: bool = False) -> dict:
-        """Migrate from `qs` to `qd`; `patched_qemu`: the source runs the
-        patched QEMU (which has FIRST_PASS_CAP)."""
+        """Migrate from `qs` to `qd`; `patched_qemu`: both ends run the
+        patched QEMU (which has FIRST_PASS_CAP and ZERO_SKIP_CAP)."""
         # the destination waits (-incoming defer) until it has the same
         # capabilities: multifd must be set before it listens
         for q, caps in ((qs, source_capabilities(p, mode, patched_qemu)),
-                        (qd, capabilities(p, mode))):
+                        (qd, destination_capabilities(p, mode, patched_qemu))):
             q.execute("migrate-set-capabilities", capabilities=caps)
             if mode == "multifd":
                 q.execute("migrate-set-parameters", **{"multifd-channels": p.multifd_channels})
@@ -362,9 +384,10 @@ class Migrate(Scenario):
         text = (f"migrate ({ctx.platform}, guest {params.mem_mib} MiB, {params.fill_mib} MiB "
                 f"filled then freed, loopback, downtime-limit {params.downtime_limit_ms} ms; "
                 "median [p25-p75]; used = RAM - MemFree; rate = the workload's passes or "
-                "rounds per second; sources on the patched QEMU with "
+                "rounds per second; on the patched QEMU: "
                 f"{FIRST_PASS_CAP} "
-                f"{'on' if params.switchover_after_first_pass else 'off'})\n"
+                f"{'on' if params.switchover_after_first_pass else 'off'} (source), "
+                f"{ZERO_SKIP_CAP} {'on' if params.skip_unpopulated else 'off'} (both ends))\n"
                 + table(["mode", "workload", "variant", "total ms", "downtime ms",
                          "sent MiB", "used MiB", "rate/s", "runs"], rows))
         ctx.save("migrate", data)
