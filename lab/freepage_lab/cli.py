@@ -99,6 +99,8 @@ def cmd_qemu(args: argparse.Namespace, shell: Shell) -> int:
         return exported(qemu.export_stack(shell, tree), qemu.QUEUES)
     if args.action == "qtest":
         return report([qemu.qtest_stage(shell, tuple(args.extra_patch))])
+    if args.action == "migration-test":
+        return report([qemu.migration_test_stage(shell, tuple(args.extra_patch))])
     # each series applies to pristine QEMU after the series it requires
     return report([qemu.check(shell, q) for q in qemu.QUEUES.values()])
 
@@ -353,11 +355,13 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_series)
 
     q = sub.add_parser("qemu", help="QEMU patch series (qemu/): build, work tree, export, check")
-    q.add_argument("action", choices=("build", "tree", "export", "check", "qtest"))
+    q.add_argument("action", choices=("build", "tree", "export", "check", "qtest",
+                                      "migration-test"))
     q.add_argument("dir", nargs="?", default=None,
                    help="git work tree (tree: created; export: read); default qemu/tree")
     q.add_argument("--extra-patch", action="append", default=[], metavar="NAME",
-                   help="qtest: also apply the test-only qemu/bench/NAME (e.g. one that "
+                   help="qtest, migration-test: also apply the test-only qemu/bench/NAME "
+                        "to the patched build (e.g. one that "
                         "takes a fix back out)")
     q.set_defaults(func=cmd_qemu)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -48,6 +49,28 @@ BINARY_NAME = "qemu-system-x86_64"
 QTEST_NAME = "virtio-balloon-test"
 # per test case: the slowest, oversize inflate, maps 1000 x 4 GiB
 QTEST_CASE_TIMEOUT_S = 120
+
+# QEMU's own migration tests, on the pristine build and on the patched one:
+# the patched build must pass every case the pristine one passes.  Not the
+# whole set (about 50 s a case under TCG on 2 busy cores): precopy, a
+# migration to a file (mapped-ram), postcopy (plain, with preempt, recovered
+# after a failure), multifd with each zero page detection
+MIGRATION_TEST = "migration-test"
+MIGRATION_TEST_CASES = (
+    "/x86_64/migration/precopy/unix/plain",
+    "/x86_64/migration/precopy/file/mapped-ram",
+    "/x86_64/migration/postcopy/plain",
+    "/x86_64/migration/postcopy/preempt/plain",
+    "/x86_64/migration/postcopy/recovery/plain",
+    "/x86_64/migration/multifd/tcp/plain/zero-page/legacy",
+    "/x86_64/migration/multifd/tcp/plain/zero-page/none",
+)
+# the queue's own cases (qemu/free-page-hint), which only the patched build has
+MIGRATION_TEST_QUEUE_CASES = "/x86_64/migration/skip-unpopulated/"
+MIGRATION_TEST_CASE_TIMEOUT_S = 300
+# the pristine build's passed cases, kept in its build directory: the same
+# source and test every time, so a warm run does not run them again
+PRISTINE_PASSED = "migration-test-passed.json"
 
 
 def cache_root() -> Path:
@@ -338,7 +361,8 @@ def qtest_cases(shell: Shell, binary: Path, env: dict[str, str]) -> list[str]:
     return [ln.strip() for ln in out.splitlines() if ln.strip().startswith("/")]
 
 
-def run_qtest_case(argv: list[str], env: dict[str, str], path: str) -> tuple[str, str]:
+def run_qtest_case(argv: list[str], env: dict[str, str], path: str,
+                   timeout_s: float = QTEST_CASE_TIMEOUT_S) -> tuple[str, str]:
     """Run one case in a process group of its own: (status, output).
 
     Not shell.run: a failing case is a result, not an error.  Output goes
@@ -349,7 +373,7 @@ def run_qtest_case(argv: list[str], env: dict[str, str], path: str) -> tuple[str
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         try:
-            returncode: int | None = proc.wait(timeout=QTEST_CASE_TIMEOUT_S)
+            returncode: int | None = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             returncode = None
         finally:
@@ -359,20 +383,18 @@ def run_qtest_case(argv: list[str], env: dict[str, str], path: str) -> tuple[str
         out.seek(0)
         output = out.read()
     if returncode is None:
-        return "failed", output + f"\ntimed out after {QTEST_CASE_TIMEOUT_S} s"
+        return "failed", output + f"\ntimed out after {timeout_s:.0f} s"
     return (tap_status(output, path) if returncode == 0 else "failed"), output
 
 
-def run_qtest(shell: Shell, built: BuiltQemu, name: str = QTEST_NAME) -> list[QtestCase]:
-    """Build the qtest in the build's tree and run each case in its own
-    process against the build (one case's abort does not hide the next)."""
+def build_qtest(shell: Shell, built: BuiltQemu, name: str) -> Path:
+    """Build the qtest `name` in the build's tree (ninja target of the same
+    configure) and link Debian's firmware where the build's QEMU finds it."""
     env = buildcache.ccache_env() or {}
     shell.run(["nice", "-n", "5", "ninja", "-C", built.out_dir, f"tests/qtest/{name}"],
               env=env, log=built.out_dir / f"build-{name}.log", what=f"build {name}")
-    binary = qtest_binary(built, name)
-    run_env = {"QTEST_QEMU_BINARY": str(built.binary)}
     if shell.dry_run:
-        return []
+        return qtest_binary(built, name)
     # as for QEMU itself: no compiler warning in a file the series touches
     warned = series_warnings((built.out_dir / f"build-{name}.log").read_text(errors="replace"),
                              patched_files(load_series()))
@@ -380,15 +402,37 @@ def run_qtest(shell: Shell, built: BuiltQemu, name: str = QTEST_NAME) -> list[Qt
         raise LabError(f"build {name}: warnings in files the series touches:\n  "
                        + "\n  ".join(warned[:10]))
     link_firmware(built.out_dir)
+    return qtest_binary(built, name)
+
+
+def run_qtest_cases(shell: Shell, built: BuiltQemu, binary: Path, paths_: list[str],
+                    args: tuple[str, ...] = (),
+                    timeout_s: float = QTEST_CASE_TIMEOUT_S) -> list[QtestCase]:
+    """Run each case in its own process against the build (one case's
+    abort does not hide the next); `args`: more arguments of the test."""
+    run_env = {"QTEST_QEMU_BINARY": str(built.binary)}
     cases = []
-    for path in qtest_cases(shell, binary, run_env):
-        argv = [str(binary), "--tap", "-p", path]
+    for path in paths_:
+        argv = [str(binary), *args, "--tap", "-p", path]
         shell.show(argv)
-        status, output = run_qtest_case(argv, {**os.environ, **run_env}, path)
+        status, output = run_qtest_case(argv, {**os.environ, **run_env}, path, timeout_s)
         print(f"  {status:7} {path}", flush=True)
         cases.append(QtestCase(path, status, output))
-    log = built.out_dir / f"{name}.log"
+    return cases
+
+
+def write_qtest_log(log: Path, cases: list[QtestCase]) -> None:
     log.write_text("".join(f"=== {c.path}: {c.status}\n{c.output}\n" for c in cases))
+
+
+def run_qtest(shell: Shell, built: BuiltQemu, name: str = QTEST_NAME) -> list[QtestCase]:
+    """Build the qtest in the build's tree and run each of its cases."""
+    binary = build_qtest(shell, built, name)
+    if shell.dry_run:
+        return []
+    run_env = {"QTEST_QEMU_BINARY": str(built.binary)}
+    cases = run_qtest_cases(shell, built, binary, qtest_cases(shell, binary, run_env))
+    write_qtest_log(built.out_dir / f"{name}.log", cases)
     return cases
 
 
@@ -414,6 +458,77 @@ def qtest_stage(shell: Shell, extra_patches: tuple[str, ...] = ()) -> StageResul
             lines.append(f"FAILED {c.path}:\n    {tail}")
     status = "failed" if counts["failed"] or not cases else "ok"
     return finish(status, "\n".join(lines), cases={c.path: c.status for c in cases})
+
+
+def pristine_series() -> Series:
+    """No patch: QEMU as released (built as the patched one, cached apart)."""
+    return Series(paths.QEMU_DIR, ())
+
+
+def migration_test_cases(shell: Shell, built: BuiltQemu, binary: Path) -> list[str]:
+    """The chosen cases of migration-test, and the queue's own where the build has them."""
+    run_env = {"QTEST_QEMU_BINARY": str(built.binary)}
+    out = shell.run([binary, "--full", "-l"], env=run_env, capture=True,
+                    what=f"list {binary.name} cases")
+    listed = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("/")]
+    missing = [c for c in MIGRATION_TEST_CASES if c not in listed]
+    if missing:
+        raise LabError(f"{binary}: no case {', '.join(missing)}")
+    return [*MIGRATION_TEST_CASES,
+            *(c for c in listed if c.startswith(MIGRATION_TEST_QUEUE_CASES))]
+
+
+def migration_test_compare(pristine: dict[str, str], patched: dict[str, str]) -> list[str]:
+    """What fails the stage: a case that passes on the pristine build but
+    not on the patched one, and a case of the queue's own that does not pass."""
+    bad = [f"{c}: {patched.get(c, 'not run')} on the patched build, ok on the pristine one"
+           for c, s in pristine.items() if s == "ok" and patched.get(c) != "ok"]
+    bad += [f"{c}: {s} (the queue's own case)" for c, s in patched.items()
+            if c not in pristine and s != "ok"]
+    return bad
+
+
+def migration_test_stage(shell: Shell, extra_patches: tuple[str, ...] = ()) -> StageResult:
+    """QEMU's migration-test on the pristine and the patched build (both
+    cached): the patched one passes every case the pristine one passes,
+    and the queue's own cases.  The pristine build's passed cases are kept
+    with it; a warm run runs only the patched build."""
+    finish = timed("migration-test qemu")
+    try:
+        patched = build(shell, extra_patches=extra_patches)
+        pristine = build(shell, series=pristine_series())
+        binaries = {b: build_qtest(shell, b, MIGRATION_TEST) for b in (pristine, patched)}
+        if shell.dry_run:
+            return finish("dry-run")
+        kept = pristine.out_dir / PRISTINE_PASSED
+        passed = set(json.loads(kept.read_text())) if kept.is_file() else set()
+        paths_ = [c for c in migration_test_cases(shell, pristine, binaries[pristine])
+                  if c not in passed]
+        ran = run_qtest_cases(shell, pristine, binaries[pristine], paths_, ("--full",),
+                              MIGRATION_TEST_CASE_TIMEOUT_S)
+        write_qtest_log(pristine.out_dir / f"{MIGRATION_TEST}.log", ran)
+        passed |= {c.path for c in ran if c.status == "ok"}
+        kept.write_text(json.dumps(sorted(passed)) + "\n")
+        before = {**{c: "ok" for c in passed if c in MIGRATION_TEST_CASES},
+                  **{c.path: c.status for c in ran}}
+        cases = run_qtest_cases(shell, patched, binaries[patched],
+                                migration_test_cases(shell, patched, binaries[patched]),
+                                ("--full",), MIGRATION_TEST_CASE_TIMEOUT_S)
+        write_qtest_log(patched.out_dir / f"{MIGRATION_TEST}.log", cases)
+    except LabError as exc:
+        return finish("failed", str(exc))
+    after = {c.path: c.status for c in cases}
+    bad = migration_test_compare(before, after)
+    lines = [f"{MIGRATION_TEST}: pristine {sum(v == 'ok' for v in before.values())}/{len(before)} "
+             f"passed ({len(ran)} run now, the rest kept), patched "
+             f"{sum(v == 'ok' for v in after.values())}/{len(after)} passed "
+             f"({len(after) - len(before)} of the queue's own)"]
+    for c in cases:
+        if c.status != "ok":
+            tail = "\n    ".join(c.output.strip().splitlines()[-8:])
+            lines.append(f"{c.status.upper()} {c.path}:\n    {tail}")
+    lines += [f"REGRESSION {b}" for b in bad]
+    return finish("failed" if bad else "ok", "\n".join(lines), cases=after)
 
 
 def patched_files(series: Series) -> set[str]:

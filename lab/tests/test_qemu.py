@@ -158,3 +158,35 @@ def test_qtest_dry_run_builds_the_test_in_the_build_dir(capsys):
     assert res.status == "dry-run"
     err = capsys.readouterr().err
     assert "ninja -C" in err and f"tests/qtest/{qemu.QTEST_NAME}" in err
+
+
+def test_migration_test_dry_run_builds_it_for_the_pristine_and_the_patched_build(capsys):
+    res = qemu.migration_test_stage(Shell(dry_run=True))
+    assert res.status == "dry-run"
+    err = capsys.readouterr().err
+    pristine = qemu.tree_path(qemu.pristine_series())
+    patched = qemu.tree_path(qemu.load_series())
+    assert pristine != patched
+    for tree in (pristine, patched):
+        assert f"ninja -C {tree}/build-" in err
+    assert err.count(f"tests/qtest/{qemu.MIGRATION_TEST}") == 2
+
+
+def test_migration_test_fails_on_a_case_only_the_pristine_build_passes():
+    pristine = {"/a": "ok", "/b": "failed", "/c": "ok"}
+    assert qemu.migration_test_compare(pristine, {"/a": "ok", "/b": "failed", "/c": "ok"}) == []
+    # a case that fails on both is the host's, not the queue's
+    assert qemu.migration_test_compare(pristine, {"/a": "ok", "/b": "ok", "/c": "ok"}) == []
+    bad = qemu.migration_test_compare(pristine, {"/a": "ok", "/b": "failed", "/c": "failed"})
+    assert len(bad) == 1 and bad[0].startswith("/c: failed on the patched build")
+
+
+def test_migration_test_holds_the_queue_s_own_cases_to_passing():
+    bad = qemu.migration_test_compare({"/a": "ok"}, {"/a": "ok", "/q": "skipped"})
+    assert bad == ["/q: skipped (the queue's own case)"]
+
+
+def test_migration_test_cases_touch_precopy_postcopy_multifd_and_zero_pages():
+    cases = " ".join(qemu.MIGRATION_TEST_CASES)
+    for what in ("precopy", "postcopy/plain", "postcopy/preempt", "multifd", "zero-page"):
+        assert what in cases
