@@ -87,22 +87,23 @@ class FakeQmp:
         return {"status": "completed"} if command == "query-migrate" else {}
 
 
-def test_only_the_source_gets_it(monkeypatch) -> None:
+def capabilities_set(mode: str) -> dict[str, list]:
+    """What one migration of the patched QEMU sets on each end, per call."""
     qs, qd = FakeQmp(), FakeQmp()
-    migrate.Migrate().migrate(MigrateParams(), "t", "precopy", qs, qd, 1,  # type: ignore[arg-type]
+    migrate.Migrate().migrate(MigrateParams(), "t", mode, qs, qd, 1,  # type: ignore[arg-type]
                               patched_qemu=True)
-    caps = {name: [a["capabilities"] for c, a in q.calls if c == "migrate-set-capabilities"]
+    return {name: [a["capabilities"] for c, a in q.calls if c == "migrate-set-capabilities"]
             for name, q in (("src", qs), ("dst", qd))}
+
+
+def test_only_the_source_gets_it(monkeypatch) -> None:
+    caps = capabilities_set("precopy")
     assert first_pass(caps["src"][0]) is True
     assert first_pass(caps["dst"][0]) is None
 
 
 def test_both_ends_get_the_zero_skip(monkeypatch) -> None:
-    qs, qd = FakeQmp(), FakeQmp()
-    migrate.Migrate().migrate(MigrateParams(), "t", "postcopy", qs, qd, 1,  # type: ignore[arg-type]
-                              patched_qemu=True)
-    caps = {name: [a["capabilities"] for c, a in q.calls if c == "migrate-set-capabilities"]
-            for name, q in (("src", qs), ("dst", qd))}
+    caps = capabilities_set("postcopy")
     assert zero_skip(caps["src"][0]) is True
     assert zero_skip(caps["dst"][0]) is True
     # the rest of the destination's is what both ends get
