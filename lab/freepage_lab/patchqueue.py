@@ -81,6 +81,8 @@ class Queue:
     name: str
     root: Path
     requires: tuple[str, ...] = ()
+    # posted as a request for comments: "[RFC PATCH n/m]"
+    rfc: bool = False
 
     @property
     def patch_dir(self) -> Path:
@@ -195,7 +197,7 @@ COVER = "0000-cover-letter.patch"
 def cover_text(cover: str) -> tuple[str, str] | None:
     """The subject (without the [PATCH n/m] tag, its folded lines joined) and
     the text of a cover letter."""
-    subject = re.search(r"^Subject: \[PATCH[^\]]*\] (.*(?:\n[ \t].*)*)$", cover, re.M)
+    subject = re.search(r"^Subject: \[(?:RFC )?PATCH[^\]]*\] (.*(?:\n[ \t].*)*)$", cover, re.M)
     body = re.search(r"\n\n(.*?)\n\S[^\n]* \(\d+\):\n", cover, re.S)
     if not subject or not body:
         return None
@@ -217,10 +219,11 @@ def carry_cover(old: str, new: str) -> str:
 
 
 def export(shell: Shell, tree: Path, directory: Path, start: str = BASE_TAG,
-           end: str = "HEAD") -> list[str]:
+           end: str = "HEAD", rfc: bool = False) -> list[str]:
     """Write the tree's commits start..end back as the series in
     `directory`; the cover letter names the base (base-commit, and the
-    prerequisite-patch-id of every commit between base and start)."""
+    prerequisite-patch-id of every commit between base and start).
+    `rfc`: the subjects say "[RFC PATCH n/m]"."""
     # ask git first: a tree without the base tag must not cost the queue
     count = shell.run(["git", "-C", tree, "rev-list", "--count", f"{start}..{end}"],
                       capture=True, what=f"count commits {start}..{end} (tags in place?)").strip()
@@ -238,7 +241,8 @@ def export(shell: Shell, tree: Path, directory: Path, start: str = BASE_TAG,
                           capture=True, what="author dates").split()
         sent = {"GIT_COMMITTER_DATE": f"{max(map(int, dates))} +0000"} if dates else {}
         shell.run(["git", "-C", tree, "format-patch", "-q", "--cover-letter", f"--base={BASE_TAG}",
-                   "-o", directory, f"{start}..{end}"], env={**COMMITTER, **sent},
+                   *(["--rfc"] if rfc else []), "-o", directory, f"{start}..{end}"],
+                  env={**COMMITTER, **sent},
                   what="git format-patch")
         names = sorted(p.name for p in directory.glob("*.patch") if not p.name.startswith("0000-"))
         if kept and not shell.dry_run:
@@ -256,7 +260,7 @@ def export_stack(shell: Shell, tree: Path, queues: Sequence[Queue]) -> dict[str,
     start = BASE_TAG
     for q in queues:
         end = "HEAD" if q is queues[-1] else q.tag
-        out[q.name] = export(shell, tree, q.patch_dir, start, end)
+        out[q.name] = export(shell, tree, q.patch_dir, start, end, q.rfc)
         start = end
     return out
 

@@ -173,6 +173,26 @@ def test_export_carries_a_folded_subject_whole() -> None:
     assert "Subject: [PATCH 0/5] migration: a long title, folded\n\nText.\n\n" in out
 
 
+def test_an_rfc_series_keeps_its_cover_letter_text() -> None:
+    old = ("From 1 Mon Sep 17 00:00:00 2001\nSubject: [RFC PATCH 0/1] migration: a title\n\n"
+           "Text.\n\nfreepage (1):\n  migration: one\n")
+    new = ("From 2 Mon Sep 17 00:00:00 2001\nSubject: [RFC PATCH 0/1] *** SUBJECT HERE ***\n\n"
+           "*** BLURB HERE ***\n\nfreepage (1):\n  migration: one\n")
+    out = patchqueue.carry_cover(old, new)
+    assert "Subject: [RFC PATCH 0/1] migration: a title\n\nText.\n\n" in out
+
+
+def test_an_rfc_series_is_exported_as_rfc(tmp_path, queues):
+    with_one_patch(tmp_path, queues)
+    stack = patchqueue.stack(queues, queues["first"])
+    patchqueue.work_tree(Shell(quiet=True), tmp_path / "base", tmp_path / "t", stack,
+                         "base", "base", 7)
+    out = tmp_path / "out"
+    patchqueue.export(Shell(quiet=True), tmp_path / "t", out, rfc=True)
+    patch = (out / "0001-hello-greet-the-world.patch").read_text()
+    assert "Subject: [RFC PATCH 1/1] hello: greet the world" in patch
+
+
 def test_the_base_commit_is_the_source_whatever_checkpatch_left_beside_it(tmp_path, queues):
     """checkpatch.pl writes its cache into the base tree it runs in: two
     work trees made before and after a check have the same base commit
