@@ -176,6 +176,11 @@ FAMILIES: dict[str, dict[str, Variant]] = {name: {v.name: v for v in vs} for nam
         # reporting and the device's zeroing alone: the freed memory is
         # discarded, what the migration does with discarded memory shows
         Variant("reported", patched=True, zeroing=True, patched_qemu=True),
+        # stock 6.12 on the patched QEMU: beside "stock" and "stock-hint",
+        # the same guest where only QEMU differs (its switches as asked)
+        Variant("qemu-patched", patched=False, reporting=False, patched_qemu=True),
+        Variant("qemu-patched-hint", patched=False, reporting=False, hint=True,
+                patched_qemu=True),
     ),
 }.items()}
 

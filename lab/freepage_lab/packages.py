@@ -326,7 +326,7 @@ def qemu_package(shell: Shell) -> Built:
         if shell.dry_run:
             return []
         docs(root, QEMU_PACKAGE, version, PACKAGING_DIR / "qemu" / "copyright",
-             "QEMU 10.0.2 with the qemu/device-init and qemu/free-page-hint series.")
+             "QEMU 10.0.2 with the freepage series of qemu/ (its README lists them).")
         control = {
             "Package": QEMU_PACKAGE, "Version": version, "Architecture": "amd64",
             "Maintainer": MAINTAINER, "Section": "misc", "Priority": "optional",

@@ -64,7 +64,7 @@ MIGRATION_TEST_CASES = (
     "/x86_64/migration/multifd/tcp/plain/zero-page/legacy",
     "/x86_64/migration/multifd/tcp/plain/zero-page/none",
 )
-# the queue's own cases (qemu/free-page-hint), which only the patched build has
+# the queue's own cases (qemu/skip-unpopulated), which only the patched build has
 MIGRATION_TEST_QUEUE_CASES = "/x86_64/migration/skip-unpopulated/"
 MIGRATION_TEST_CASE_TIMEOUT_S = 300
 # the pristine build's passed cases, kept in its build directory: the same
@@ -149,13 +149,25 @@ def base_tree(shell: Shell) -> Path:
 # --------------------------------------------------------------------------
 
 QUEUES = {
-    # applies to pristine 10.0.2 on its own
-    "device-init": Queue("device-init", paths.QEMU_DIR),
-    # free page hinting, on top of device-init
-    "free-page-hint": Queue("free-page-hint", paths.QEMU_DIR, ("device-init",)),
+    # a migration fix on its own: the balloon's discards marked dirty
+    "dirty-discard": Queue("dirty-discard", paths.QEMU_DIR),
+    # bits 6/7 and the vhost-user front-end
+    "device-init": Queue("device-init", paths.QEMU_DIR, ("dirty-discard",)),
+    # free page hints applied between two host pages of a RAM pass, alone
+    "hint-during-pass": Queue("hint-during-pass", paths.QEMU_DIR),
+    # hinting with postcopy-ram, as a pair
+    "postcopy-hint": Queue("postcopy-hint", paths.QEMU_DIR, ("hint-during-pass",)),
+    # RFC, behind x-skip-unpopulated-ram
+    "skip-unpopulated": Queue("skip-unpopulated", paths.QEMU_DIR,
+                              ("hint-during-pass", "postcopy-hint"), rfc=True),
+    # RFC, behind x-switchover-after-first-pass (its qtest is in
+    # virtio-balloon-test, which device-init extends)
+    "first-pass-switchover": Queue("first-pass-switchover", paths.QEMU_DIR,
+                                   ("dirty-discard", "device-init", "hint-during-pass",
+                                    "postcopy-hint", "skip-unpopulated"), rfc=True),
 }
 # the top series a QEMU build carries, with every series it requires
-TOP = QUEUES["free-page-hint"]
+TOP = QUEUES["first-pass-switchover"]
 BENCH_DIR = paths.QEMU_DIR / "bench"
 # hash length of the series' index lines (patchqueue.work_tree())
 ABBREV = 8

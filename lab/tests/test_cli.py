@@ -81,7 +81,7 @@ def test_series_check_qemu_checks_every_qemu_series(capsys, monkeypatch):
     assert cli.main(["series", "check", "--qemu"]) == 0
     assert cli.main(["qemu", "check"]) == 0
     assert calls == [*cli.qemu.QUEUES, *cli.qemu.QUEUES]
-    assert calls[:2] == ["device-init", "free-page-hint"]
+    assert calls[:2] == ["dirty-discard", "device-init"]
 
 
 def test_qemu_tree_tags_the_end_of_each_series(capsys, tmp_path, monkeypatch):
@@ -89,5 +89,5 @@ def test_qemu_tree_tags_the_end_of_each_series(capsys, tmp_path, monkeypatch):
     assert cli.main(["--dry-run", "qemu", "tree", str(tmp_path / "tree")]) == 0
     cap = capsys.readouterr()
     tags = [ln.split()[-1] for ln in cap.err.splitlines() if " tag -f " in ln]
-    assert tags == ["series/device-init", "series/free-page-hint"]
-    assert "series end at series/device-init, series/free-page-hint" in cap.out
+    assert tags == [f"series/{q}" for q in cli.qemu.QUEUES]
+    assert "series end at series/dirty-discard, series/device-init, " in cap.out

@@ -52,7 +52,8 @@ def test_the_patched_qemu_variants_are_the_ones_that_get_the_capability(tmp_path
     ctx = context(tmp_path)
     on_patched = {name for name, v in harness.family("migrate").items()
                   if harness.patched_qemu(ctx, v)}
-    assert on_patched == {"no-hint", "hint", "hint-reported", "reported"}
+    assert on_patched == {"no-hint", "hint", "hint-reported", "reported",
+                          "qemu-patched", "qemu-patched-hint"}
     # --patched-qemu does not move the stock variants off Debian's QEMU
     ctx = context(tmp_path, patched_qemu=True)
     assert not harness.patched_qemu(ctx, harness.family("migrate")["stock-hint"])

@@ -68,14 +68,23 @@ def test_dry_run_build_prints_configure_and_ninja(tmp_path, monkeypatch, capsys)
 
 
 def test_each_series_has_its_directory_and_applies_on_what_it_requires():
-    assert list(qemu.QUEUES) == ["device-init", "free-page-hint"]
-    assert qemu.QUEUES["free-page-hint"].requires == ("device-init",)
+    assert list(qemu.QUEUES) == ["dirty-discard", "device-init", "hint-during-pass",
+                                 "postcopy-hint", "skip-unpopulated", "first-pass-switchover"]
+    # the migration fix and the hint-during-pass change each apply to
+    # pristine QEMU alone; postcopy hinting needs only the latter
+    assert qemu.QUEUES["dirty-discard"].requires == ()
+    assert qemu.QUEUES["hint-during-pass"].requires == ()
+    assert qemu.QUEUES["postcopy-hint"].requires == ("hint-during-pass",)
+    assert qemu.QUEUES["device-init"].requires == ("dirty-discard",)
     assert qemu.stack() == list(qemu.QUEUES.values())
     for q in qemu.stack():
         assert q.patch_dir == paths.QEMU_DIR / q.name / "patches"
         assert (q.patch_dir / "series").is_file(), f"{q.name}: no series file"
     cover = (qemu.QUEUES["device-init"].patch_dir / patchqueue.COVER).read_text()
-    assert "Subject: [PATCH 0/8] virtio-balloon: zero means zero, end to end" in cover
+    assert "Subject: [PATCH 0/6] virtio-balloon: zero means zero, end to end" in cover
+    for rfc in ("skip-unpopulated", "first-pass-switchover"):
+        cover = (qemu.QUEUES[rfc].patch_dir / patchqueue.COVER).read_text()
+        assert "Subject: [RFC PATCH 0/1]" in cover, rfc
 
 
 def test_a_build_applies_every_series_in_order():

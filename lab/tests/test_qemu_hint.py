@@ -116,7 +116,7 @@ POPULATE_S = 60
 # the idle guest may send this much more than its used memory: page tables
 # and free blocks below the hint's 4 MiB
 USED_SLACK = 1.15
-# the source's trace of every free page hint it applied (qemu/free-page-hint)
+# the source's trace of every free page hint it applied (qemu/hint-during-pass)
 HINT_TRACE = "ram_free_page_hint"
 HINT_WAITED = re.compile(rf"{HINT_TRACE} .* waited for bitmap_mutex (\d+) us "
                          r"while (\d+) pages were sent")

@@ -6,6 +6,11 @@ the daemon maps.
 The guest writes 256 MiB to a tmpfs file, deletes it and forces a reporting
 pass; the daemon discards what the guest reported, which the host sees as
 blocks leaving the memfd.  At least 90% of the freed 256 MiB must go.
+A background snapshot, which cannot see those discards, is refused.
+
+Baseline, expected to fail: FREEPAGE_VHOST_USER_BASELINE=snapshot runs
+the snapshot test on the patched QEMU with
+qemu/bench/vhost-user-balloon-snapshot.patch (the refusal taken out).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import pytest
 from freepage_lab import guestshell, harness, kernel
 from freepage_lab.initramfs import EVENT
 from freepage_lab.procfs import deleted_file
+from freepage_lab.runners import Qmp
+from freepage_lab.shell import LabError
 
 pytestmark = [
     pytest.mark.slow,
@@ -26,6 +33,7 @@ pytestmark = [
 
 MIB = 1 << 20
 FREED_MIB = 256
+BASELINE = os.environ.get("FREEPAGE_VHOST_USER_BASELINE", "")
 
 
 def guest_script() -> str:
@@ -76,3 +84,43 @@ def test_vhost_user_balloon_reclaims_freed_memory(lab) -> None:
           f"reporting pass: {reclaimed:.0%} of the freed {FREED_MIB} MiB reclaimed; "
           f"daemon: {counters}")
     assert reclaimed >= 0.9
+
+
+def test_vhost_user_balloon_refuses_a_background_snapshot(lab) -> None:
+    """A background snapshot follows guest writes with userfaultfd write
+    protection and does not see the daemon punch holes in the memfd: a
+    page freed after the snapshot started would be saved as zero.  The
+    front-end refuses the snapshot when it starts."""
+    extra = ("vhost-user-balloon-snapshot.patch",) if BASELINE == "snapshot" else ()
+    ctx = lab.context("qemu", patched=True, qemu_extra_patches=extra)
+    variant = harness.Variant("vhost-user", zeroing=None, vhost_user=True)
+    script = f"echo \"{EVENT} up\"\nread done\n"
+    sock = lab.tmp_path / "vub.qmp"
+    with lab.start(ctx, "vub-snap", script, variant, mem_mib=256, interactive=True,
+                   overrides=dict(qmp_socket=sock)) as run:
+        g = run.guest
+        g.wait_for(rf"^{EVENT} up", 300)
+        qmp = Qmp(sock)
+        try:
+            try:
+                qmp.execute("migrate-set-capabilities",
+                            capabilities=[{"capability": "background-snapshot", "state": True}])
+            except LabError as exc:
+                pytest.fail(f"this host cannot take a background snapshot of the guest's "
+                            f"memfd, so the refusal cannot be shown: {exc}")
+            qmp.execute("migrate", uri=f"exec:cat > {lab.tmp_path / 'snapshot'}")
+            deadline = time.monotonic() + 120
+            while True:
+                info = qmp.execute("query-migrate")
+                assert isinstance(info, dict)
+                if info.get("status") in ("failed", "completed", "cancelled"):
+                    break
+                assert time.monotonic() < deadline, f"snapshot stuck: {info}"
+                time.sleep(0.2)
+        finally:
+            qmp.close()
+        g.send("done")
+        assert run.wait_exit(60) == 0
+    print(f"background snapshot: {info.get('status')}: {info.get('error-desc', '')}")
+    assert info.get("status") == "failed", info
+    assert "background snapshot" in info.get("error-desc", ""), info

@@ -9,7 +9,10 @@ QEMU reports time, downtime and bytes.
 
 Variants (harness.FAMILIES["migrate"]): stock 6.12 on Debian's QEMU without
 and with hinting, the series on the patched QEMU without and with hinting,
-and with hinting, reporting and the device's zeroing at once.
+and with hinting, reporting and the device's zeroing at once; and stock
+6.12 on the patched QEMU without and with hinting ("qemu-patched",
+"qemu-patched-hint"): with the switches below off, what the patched QEMU
+changes for a guest that uses none of it.
 
 Workloads: "idle"; "dirty", which keeps writing 256 MiB; "reuse", which
 allocates, stamps, checks and frees 256 MiB over and over, reusing the
@@ -64,15 +67,16 @@ MIB = 1 << 20
 RATE = {"dirty": ("dirty", "passes"), "reuse": ("reuse", "rounds")}
 # ratios printed per workload: (numerator, denominator)
 RATIOS = (("hint", "no-hint"), ("hint", "stock"), ("hint-reported", "stock"),
-          ("stock-hint", "stock"))
+          ("stock-hint", "stock"), ("qemu-patched", "stock"),
+          ("qemu-patched-hint", "stock-hint"))
 
 
 # the patched QEMU's migration capability: no switchover before the first
-# pass over RAM has ended (qemu/free-page-hint; off unless set)
+# pass over RAM has ended (qemu/first-pass-switchover; off unless set)
 FIRST_PASS_CAP = "x-switchover-after-first-pass"
 # the patched QEMU's migration capability of both ends: the source does not
 # send RAM that reads as zero on its side, the destination discards the RAM
-# it receives first (qemu/free-page-hint; off unless set)
+# it receives first (qemu/skip-unpopulated; off unless set)
 ZERO_SKIP_CAP = "x-skip-unpopulated-ram"
 
 # heartbeats (one a second) of the destination guest read for its free memory
