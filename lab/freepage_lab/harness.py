@@ -152,6 +152,9 @@ FAMILIES: dict[str, dict[str, Variant]] = {name: {v.name: v for v in vs} for nam
     "realloc": (
         Variant("backed", reporting=False, zeroing=None),
         Variant("reported", zeroing=None),
+        # stock 6.12, memory backed: what the series costs where no
+        # producer of zeroed pages is on (beside "backed", interleaved)
+        Variant("stock-backed", patched=False, reporting=False, zeroing=None),
     ),
     # pre-zeroing's CPU cap, and its footprint beside a reporting balloon
     "prezero_cpu": (Variant("series", patched=True, balloon=False),),
