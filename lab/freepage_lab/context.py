@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import hostcheck, initramfs, kernel, paths
+from . import debroot, hostcheck, initramfs, kernel, paths
 from . import qemu as qemu_mod
 from .platforms import Platform, platform
 from .runners import STOCK_QEMU, Runner, make_runner
@@ -35,6 +35,7 @@ class RunContext:
     _qemu: dict[str, Path] = field(default_factory=dict)
     _base_initrd: dict[str, Path] = field(default_factory=dict)
     _initrds: dict[Path, str] = field(default_factory=dict)
+    _root_disk: dict[str, Path] = field(default_factory=dict)
 
     @classmethod
     def create(cls, shell: Shell, label: str, **kw: object) -> RunContext:
@@ -78,6 +79,8 @@ class RunContext:
         want_patched = self.patched if patched is None else patched
         fragments = (self.extra_fragments if want_patched else
                      tuple(f for f in self.extra_fragments if f in kernel.STOCK_FRAGMENTS))
+        fragments = (*self.machine.kernel_fragments,
+                     *(f for f in fragments if f not in self.machine.kernel_fragments))
         spec = kernel.BuildSpec(self.arch, self.variant, want_patched, fragments, extra_patches,
                                 series_patches)
         if spec.label not in self._kernels:
@@ -117,6 +120,14 @@ class RunContext:
         initramfs.with_script(self._base_initrd[self.arch], script, dest, extra)
         self._initrds[dest] = key
         return dest
+
+    def root_disk(self) -> Path | None:
+        """The platform's root disk image (built once, cached), None without one."""
+        if not self.machine.root:
+            return None
+        if "root" not in self._root_disk:
+            self._root_disk["root"] = debroot.guest_image(self.shell)
+        return self._root_disk["root"]
 
     def log(self, name: str) -> Path:
         return self.run_dir / "logs" / f"{name}.log"

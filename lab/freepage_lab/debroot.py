@@ -1,13 +1,26 @@
-"""A fresh Debian 12 root with freepage's packages installed (the install
-and libvirt tests): mmdebstrap from the Debian mirror, cached by content.
+"""Debian 12 roots made by mmdebstrap from the Debian mirror, cached by content.
 
-    root = debroot.install_root(shell, debs, tmp_path / "root")
+Two kinds:
 
-The root tarball (apt variant, with every package the .debs depend on
-and Debian's qemu-system-x86, which ours installs beside) is made once
-per (suite, sources, package list) under
-`~/.cache/freepage/packages/debian-root-<key>/root.tar`; each test unpacks
-it afresh and installs the .debs with dpkg, offline.
+* the root the install and libvirt tests install freepage's packages in:
+
+      root = debroot.install_root(shell, debs, tmp_path / "root")
+
+  The root tarball (apt variant, with every package the .debs depend on
+  and Debian's qemu-system-x86, which ours installs beside) is made once
+  per (suite, sources, package list) under
+  `~/.cache/freepage/packages/debian-root-<key>/root.tar`; each test unpacks
+  it afresh and installs the .debs with dpkg, offline.
+
+* the Debian guest's root disk (the `qemu-debian` platform):
+
+      image = debroot.guest_image(shell)
+
+  a minbase root (`GUEST_ROOT`) as an ext4 image with room for a
+  workload's files, under `~/.cache/freepage/debian/guest-<key>/root.ext4`.
+  The guest boots the lab's initramfs, whose init mounts the disk and runs
+  the script in it (initramfs.INIT); QEMU opens the image with
+  snapshot=on, so no boot changes the cached file.
 """
 
 from __future__ import annotations
@@ -15,9 +28,10 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
-from . import buildcache
+from . import buildcache, paths
 from .packages import cache_root
 from .shell import Shell
 
@@ -59,28 +73,90 @@ def depends_of(shell: Shell, debs: list[Path]) -> list[str]:
     return sorted(names - own)
 
 
-def debian_root(shell: Shell, include: list[str]) -> Path:
-    """A Debian 12 root tarball (mmdebstrap, apt variant) with `include`
-    installed from the Debian mirror, cached by (suite, sources, packages)."""
-    include = sorted({*include, *ROOT_EXTRA})
-    h = hashlib.sha256(f"{DEBIAN_SUITE}\0apt\0{DEFAULT_RELEASE}\0".encode())
-    for part in (*root_sources(), *include):
-        h.update(part.encode() + b"\0")
-    key = h.hexdigest()[:16]
-    out = cache_root() / f"debian-root-{key}"
+@dataclass(frozen=True)
+class Root:
+    """What mmdebstrap puts in one root: its variant and the packages it adds."""
+
+    variant: str
+    include: tuple[str, ...] = ()
+
+    def key(self) -> str:
+        h = hashlib.sha256(f"{DEBIAN_SUITE}\0{self.variant}\0{DEFAULT_RELEASE}\0".encode())
+        for part in (*root_sources(), *self.include):
+            h.update(part.encode() + b"\0")
+        return h.hexdigest()[:16]
+
+
+# The Debian guest: Debian's essential and required packages (coreutils'
+# dd, mount, util-linux: what the I/O workload runs) and nothing else.
+# No init system: the lab's initramfs init runs the script in this root.
+# A compiler (gcc, make) is not in it yet.
+GUEST_ROOT = Root("minbase")
+# free space on the guest's root disk for the workload's files, MiB
+GUEST_FREE_MIB = 1024
+
+
+def root_tarball(shell: Shell, root: Root, where: Path) -> Path:
+    """`root` as a tarball in `where`/debian-root-<key>/root.tar (made once)."""
+    key = root.key()
+    out = where / f"debian-root-{key}"
     tar = out / "root.tar"
 
     def make(_src: Path, dest: Path) -> bool:
-        shell.run(["nice", "-n", "5", "mmdebstrap", "--variant=apt", "--mode=root",
+        shell.run(["nice", "-n", "5", "mmdebstrap", f"--variant={root.variant}", "--mode=root",
                    f'--aptopt=APT::Default-Release "{DEFAULT_RELEASE}"',
-                   "--include=" + ",".join(include), DEBIAN_SUITE, dest / tar.name,
-                   *root_sources()], log=dest / "mmdebstrap.log", what="mmdebstrap")
+                   *(["--include=" + ",".join(root.include)] if root.include else []),
+                   DEBIAN_SUITE, dest / tar.name, *root_sources()],
+                  log=dest / "mmdebstrap.log", what="mmdebstrap")
         return not shell.dry_run
 
     buildcache.build_once(shell, buildcache.Build("debian root", "root", out, tar,
-                                                  cache_root() / f"debian-root-{key}.lock", tar),
+                                                  where / f"debian-root-{key}.lock", tar),
                           lambda: out, make)
     return tar
+
+
+def debian_root(shell: Shell, include: list[str]) -> Path:
+    """A Debian 12 root tarball (mmdebstrap, apt variant) with `include`
+    installed from the Debian mirror, cached by (suite, sources, packages)."""
+    return root_tarball(shell, Root("apt", tuple(sorted({*include, *ROOT_EXTRA}))), cache_root())
+
+
+def guest_image(shell: Shell, root: Root = GUEST_ROOT, free_mib: int = GUEST_FREE_MIB) -> Path:
+    """`root` as an ext4 disk image with `free_mib` to spare, made once per
+    (root, free space); the guest's /freepage is where its init puts the
+    initramfs' programs (busybox, guest/)."""
+    where = paths.cache_dir() / "debian"
+    tar = root_tarball(shell, root, where)
+    key = hashlib.sha256(f"{root.key()}\0ext4\0{free_mib}".encode()).hexdigest()[:16]
+    out = where / f"guest-{key}"
+    image = out / "root.ext4"
+
+    def make(_src: Path, dest: Path) -> bool:
+        tree = dest / "tree"
+        if not shell.dry_run:
+            tree.mkdir()
+        shell.run(["tar", "-C", tree, "-xf", tar], what="unpack the Debian root")
+        if not shell.dry_run:
+            (tree / "freepage").mkdir(exist_ok=True)
+        used_mib = 0 if shell.dry_run else tree_mib(tree)
+        shell.run(["mke2fs", "-q", "-t", "ext4", "-L", "freepage-root", "-d", tree, image,
+                   f"{used_mib + free_mib}M"], what="make the guest's root disk")
+        shell.run(["rm", "-rf", tree], what="remove the unpacked root")
+        return not shell.dry_run
+
+    buildcache.build_once(shell, buildcache.Build("debian guest image", "image", out, image,
+                                                  where / f"guest-{key}.lock", image),
+                          lambda: out, make)
+    return image
+
+
+def tree_mib(tree: Path) -> int:
+    """MiB the files under `tree` take, rounded up, plus a tenth for the
+    file system's own blocks."""
+    total = sum(p.lstat().st_size for p in tree.rglob("*"))
+    mib = -(-total // (1 << 20))
+    return mib + mib // 10 + 16
 
 
 def install_root(shell: Shell, debs: list[Path], dest: Path) -> Path:

@@ -370,7 +370,7 @@ def guest_config(ctx: RunContext, variant: Variant, name: str, plan: Plan,
         device_init_on_inflate=ctx.machine.patched_qemu and zero,
         balloon_props=list(variant.device_props),
         cpu=plan.cpu, smp=plan.smp, numa_nodes=plan.numa_nodes, icount=plan.icount,
-        host_cpu=plan.host_cpu)
+        host_cpu=plan.host_cpu, root_disk=ctx.root_disk())
     return replace(cfg, **overrides)
 
 

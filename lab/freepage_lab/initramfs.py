@@ -24,6 +24,8 @@ GUEST_PROGS = ("populate", "dirty", "churn", "pagefault", "cachewalk", "hugefit"
 BOOTED = "FREEPAGE-BOOTED"
 EXIT = "FREEPAGE-EXIT"
 EVENT = "FREEPAGE-EVENT"
+# the kernel command line's root disk for the script (runners: GuestConfig.root_disk)
+ROOT_ARG = "fp.root="
 
 INIT = f"""#!/bin/sh
 # freepage guest init: mount the basics, run /run.sh, report, halt.
@@ -37,8 +39,25 @@ mount -t tmpfs tmpfs /tmp
 [ -d /sys/kernel/debug ] && mount -t debugfs debugfs /sys/kernel/debug
 echo "{BOOTED} $(cut -d' ' -f1 /proc/uptime)"
 rc=0
+run="sh -e /run.sh"
+# a root disk ({ROOT_ARG}<device>, platforms.Platform.root): the script runs
+# in it, with this init's mounts and its programs under /freepage
+for arg in $(cat /proc/cmdline); do
+\tcase $arg in {ROOT_ARG}*) root=${{arg#{ROOT_ARG}}} ;; esac
+done
+if [ -n "$root" ] && [ -f /run.sh ]; then
+\tif mount -t ext4 "$root" /mnt; then
+\t\tfor d in proc sys dev tmp; do mount -o rbind /$d /mnt/$d; done
+\t\tmount -o bind /bin /mnt/freepage
+\t\tcp /run.sh /mnt/run.sh
+\t\trun="chroot /mnt /usr/bin/env PATH=/usr/sbin:/usr/bin:/sbin:/bin:/freepage sh -e /run.sh"
+\telse
+\t\techo "{ROOT_ARG}$root: cannot mount it" >&2
+\t\trun="false"
+\tfi
+fi
 if [ -f /run.sh ]; then
-\tsh -e /run.sh
+\t$run
 \trc=$?
 fi
 echo "{EXIT} $rc"

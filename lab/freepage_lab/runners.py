@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .guest import Guest
+from .initramfs import ROOT_ARG
 from .platforms import PLATFORMS, platform
 from .procfs import allocated_bytes, anon_huge_bytes, deleted_file, rss_bytes
 from .shell import LabError, Shell
@@ -53,6 +54,10 @@ class GuestConfig:
     extra_args: list[str] = field(default_factory=list)
     # UML only: run the guest (every host process of it) on this host CPU
     host_cpu: int | None = None
+    # QEMU x86_64: a root disk (raw image) on virtio-blk, opened with
+    # snapshot=on (the image stays as it is); the initramfs' init runs the
+    # script in it (initramfs.ROOT_ARG)
+    root_disk: Path | None = None
 
 
 # QEMU device property names, in one place: a renamed property is a
@@ -112,6 +117,8 @@ class UmlRunner(Runner):
     def argv(self, cfg: GuestConfig) -> list[str]:
         if cfg.numa_nodes > 1:
             raise LabError("UML has one memory node: NUMA nodes need --platform qemu")
+        if cfg.root_disk is not None:
+            raise LabError("a root disk is a QEMU x86_64 option (--platform qemu-debian)")
         argv = [str(cfg.kernel), f"mem={cfg.mem_mib}M", f"initrd={cfg.initrd}",
                 "con=null", "con0=null,fd:1", "console=tty0", "fp.halt=poweroff"]
         if cfg.vhost_user_balloon is not None:
@@ -136,6 +143,8 @@ def kvm_usable() -> tuple[bool, str]:
     return True, "hardware KVM"
 
 
+# the root disk as the guest sees it: the only virtio-blk device
+ROOT_DEVICE = "/dev/vda"
 # Debian's qemu-system-x86 (bookworm-backports: QEMU 10.0), found on PATH
 STOCK_QEMU = Path("qemu-system-x86_64")
 # A QEMU built from the +ds tarball has no firmware: it runs with Debian's
@@ -194,8 +203,9 @@ class QemuRunner(Runner):
         self.accel = accel
 
     def argv(self, cfg: GuestConfig) -> list[str]:
+        root = [f"{ROOT_ARG}{ROOT_DEVICE}"] if cfg.root_disk is not None else []
         append = " ".join(["console=ttyS0", "panic=-1", "fp.halt=reboot", "quiet",
-                           "loglevel=4", *cfg.cmdline])
+                           "loglevel=4", *root, *cfg.cmdline])
         machine = f"pc,accel={self.accel}"
         # a vhost-user daemon maps guest RAM: it must be a shared file
         shared_memfd = cfg.shared_memfd or cfg.vhost_user_balloon is not None
@@ -217,11 +227,20 @@ class QemuRunner(Runner):
             argv += self.vhost_user_balloon_args(cfg)
         elif cfg.balloon:
             argv += self.balloon_args(cfg)
+        if cfg.root_disk is not None:
+            argv += self.root_disk_args(cfg.root_disk)
         if cfg.qmp_socket is not None:
             argv += ["-qmp", f"unix:{cfg.qmp_socket},server=on,wait=off"]
         if cfg.incoming is not None:
             argv += ["-incoming", cfg.incoming]
         return argv + cfg.extra_args + (["-icount", PLATFORMS["qemu"].icount] if cfg.icount else [])
+
+    @staticmethod
+    def root_disk_args(image: Path) -> list[str]:
+        """The root disk on virtio-blk: the guest's first disk (ROOT_DEVICE);
+        its writes go to a temporary overlay, never to the image."""
+        return ["-drive", f"file={image},if=none,id=root,format=raw,snapshot=on",
+                "-device", "virtio-blk-pci,drive=root"]
 
     @staticmethod
     def balloon_args(cfg: GuestConfig) -> list[str]:
@@ -261,8 +280,9 @@ class Arm64Runner(Runner):
         self.accel_reason = "arm64 guests are emulated"
 
     def argv(self, cfg: GuestConfig) -> list[str]:
-        if cfg.numa_nodes > 1:
-            raise LabError("NUMA nodes are a QEMU x86_64 option (--platform qemu)")
+        if cfg.numa_nodes > 1 or cfg.root_disk is not None:
+            raise LabError("NUMA nodes and root disks are QEMU x86_64 options "
+                           "(--platform qemu, qemu-debian)")
         append = " ".join(["console=ttyAMA0", "panic=-1", "fp.halt=reboot", "quiet",
                            "loglevel=4", *cfg.cmdline])
         argv = ["qemu-system-aarch64", "-machine", "virt,virtualization=on,gic-version=3",

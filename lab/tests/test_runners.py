@@ -115,3 +115,21 @@ def test_numa_nodes_refused_where_the_platform_has_none():
         QemuRunner(Shell(), accel="tcg").argv(cfg(mem_mib=1000, numa_nodes=3))
     with pytest.raises(LabError, match="UML"):
         UmlRunner(Shell()).argv(cfg(numa_nodes=2))
+
+
+def test_qemu_root_disk_is_virtio_blk_with_snapshot_and_named_to_the_init():
+    argv = QemuRunner(Shell(), accel="tcg").argv(cfg(root_disk=Path("/img/root.ext4")))
+    drive = argv[argv.index("-drive") + 1]
+    assert drive.startswith("file=/img/root.ext4,") and "snapshot=on" in drive
+    assert "format=raw" in drive
+    assert "virtio-blk-pci,drive=root" in argv
+    assert "fp.root=/dev/vda" in argv[argv.index("-append") + 1].split()
+    plain = QemuRunner(Shell(), accel="tcg").argv(cfg())
+    assert "-drive" not in plain and "fp.root" not in plain[plain.index("-append") + 1]
+
+
+def test_root_disk_refused_where_the_platform_has_none():
+    with pytest.raises(LabError, match="root disk"):
+        UmlRunner(Shell()).argv(cfg(root_disk=Path("/r")))
+    with pytest.raises(LabError, match="root disks"):
+        runners.Arm64Runner(Shell()).argv(cfg(root_disk=Path("/r")))
