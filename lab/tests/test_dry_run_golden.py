@@ -27,6 +27,7 @@ CASES = [
     ("zeroskip", "qemu", ("--patched-qemu",)),  # the x- properties for on
     ("migrate", "qemu", ("--vanilla",)),  # hinting with an iothread, -incoming
     ("split", "arm64", ()),  # -icount, no balloon
+    ("reclaim-io", "qemu-debian", ()),  # the Debian root on virtio-blk, snapshot=on
 ]
 
 

@@ -77,6 +77,7 @@ def registry() -> dict[str, Scenario]:
     from .prezero_footprint import PrezeroFootprint
     from .realloc import Realloc
     from .reclaim import ReclaimScenario
+    from .reclaim_io import ReclaimIo
     from .split import Split
     from .zerobench import Zerobench
     from .zerofirst import Zerofirst
@@ -86,7 +87,7 @@ def registry() -> dict[str, Scenario]:
     return {s.name: s for s in (ReclaimScenario(), Realloc(), Migrate(), Zeroskip(), Zeromix(),
                                 Zerobench(), Zerofirst(), Split(), Churn(), Pagefault(),
                                 Idle(), Prezero(), PrezeroCost(), PrezeroCpu(),
-                                PrezeroFootprint())}
+                                PrezeroFootprint(), ReclaimIo())}
 
 
 def run(scenario: Scenario, ctx: RunContext, params: Any) -> Outcome:

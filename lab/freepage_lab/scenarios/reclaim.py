@@ -144,6 +144,8 @@ class Boot:
     counters: dict[str, int | list[int]] = field(default_factory=dict)
     # the series' counters every trace_ms (seconds since the guest's boot)
     trace: list[dict[str, Any]] = field(default_factory=list)
+    # what a background workload said of itself (reclaim-io: its rates)
+    workload: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ReclaimScenario(Scenario):
@@ -161,22 +163,25 @@ class ReclaimScenario(Scenario):
         variants = [harness.CONTEXT if n == CONTEXT else known[n] for n in params.variants]
         n = len(rounds_of(params))
         steps = ("populate", "freed") + (("probe", "probed") if params.probe_order >= 0 else ())
-        plan = self.plan(params, guest_script(params), "reclaim",
+        plan = self.plan(params, self.script(params), self.name,
                          marks=tuple(f"{what} {i}" for i in range(n) for what in steps),
                          footprint_s=params.interval_s, huge_s=0.1)
         ctx.initrd(plan.initrd, plan.script)
         if ctx.shell.dry_run:  # each variant's command line once
             for v in variants:
-                harness.boot(ctx, v, f"reclaim-{v.name}-0", plan)
+                harness.boot(ctx, v, f"{self.name}-{v.name}-0", plan)
             return Outcome(self.name, {}, "(dry run)")
         boots = []
         for rep in range(params.repeat):
             for v in harness.order(variants, rep, rotate=True):
-                print(f"reclaim: {v.name}, repeat {rep + 1}/{params.repeat}", flush=True)
-                booted = harness.boot(ctx, v, f"reclaim-{v.name}-{rep}", plan)
+                print(f"{self.name}: {v.name}, repeat {rep + 1}/{params.repeat}", flush=True)
+                booted = harness.boot(ctx, v, f"{self.name}-{v.name}-{rep}", plan)
                 assert booted is not None
                 boots.append(self._boot(params, booted, rep))
         return self._report(ctx, params, boots)
+
+    def script(self, params: Any) -> str:
+        return guest_script(params)
 
     def _boot(self, params: ReclaimParams, booted: harness.Booted, rep: int) -> Boot:
         n = len(rounds_of(params))
@@ -240,18 +245,18 @@ class ReclaimScenario(Scenario):
                                    for v in params.variants
                                    if any(b.counters for b in boots if b.variant == v)},
         }
-        label = f"reclaim-{ctx.platform}" + (f"-pcp{params.pcp_high_fraction}"
+        label = f"{self.name}-{ctx.platform}" + (f"-pcp{params.pcp_high_fraction}"
                                              if params.pcp_high_fraction else "")
         plot = ctx.run_dir / f"{label}.png"
         marks = [r["t_freed_s"] for r in head.rounds]
         timeline_plot(plot, [], [], marks,
-                      f"reclaim on {ctx.platform}: {params.populate_mib} MiB freed per round "
+                      f"{self.name} on {ctx.platform}: {params.populate_mib} MiB freed per round "
                       f"({', '.join(rounds_of(params))}), first boot of each variant",
                       {v: (b.timeline["t_s"], b.timeline["footprint_mib"])
                        for v, b in first.items()})
         pcp = (f", percpu_pagelist_high_fraction={params.pcp_high_fraction}"
                if params.pcp_high_fraction else ", default per-cpu lists")
-        text = (f"reclaim ({ctx.platform}, guest {params.mem_mib} MiB, {params.populate_mib} MiB "
+        text = (f"{self.name} ({ctx.platform}, guest {params.mem_mib} MiB, {params.populate_mib} MiB "
                 f"freed per round{pcp}, {params.repeat} boots per variant, footprint sampled at "
                 f"{min(rates):.0f}-{max(rates):.0f} Hz; median [min-max] of "
                 f"{params.repeat * params.rounds} rounds)\n"

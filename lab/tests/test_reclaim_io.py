@@ -1,0 +1,86 @@
+"""reclaim-io: the Debian guest's I/O workload, paced, and what it reports."""
+
+import json
+import subprocess
+
+import pytest
+
+from freepage_lab import cli, dryrun
+from freepage_lab.scenarios import get
+from freepage_lab.scenarios.reclaim_io import (
+    IO_PROG,
+    ReclaimIoParams,
+    held_passes,
+    io_functions,
+    io_rates,
+    io_script,
+    pace,
+)
+from freepage_lab.shell import LabError
+
+
+def test_each_worker_is_paced_to_its_share_of_the_rate():
+    assert pace(16, 4) == "0.250"
+    script = io_functions(ReclaimIoParams(io_mib_s=32, io_chunk_mib=4))
+    assert "worker read 0.250 " in script
+    assert "worker disk_write 0.500 " in script and "worker tmpfs_write 0.500 " in script
+    # the reader goes through the page cache and drops it again
+    assert "iflag=nocache" in script and "conv=fdatasync" in script
+
+
+def test_the_guest_script_parses_and_runs_the_io_around_the_rounds():
+    script = io_script(ReclaimIoParams())
+    subprocess.run(["sh", "-n"], input=script, text=True, check=True)
+    lines = script.splitlines()
+    assert lines.index("io_start") < next(i for i, ln in enumerate(lines) if "populate --mib" in ln)
+    assert lines[-1] == "io_stop"
+    assert "held_passes" in script  # the series' counters, sampled
+
+
+def test_the_workload_keeps_its_rate_and_says_what_it_did(tmp_path):
+    """The workers on the host for about two seconds at 8 MiB/s in all."""
+    p = ReclaimIoParams(io_mib_s=8, io_chunk_mib=1)
+    script = "\n".join([io_functions(p, str(tmp_path / "disk"), str(tmp_path / "tmpfs")),
+                        "io_start", "sleep 2", "io_stop"])
+    out = subprocess.run(["sh", "-e"], input=script, text=True, capture_output=True,
+                         check=True, timeout=60).stdout
+    record = json.loads(out.strip().splitlines()[-1])
+    assert record["prog"] == IO_PROG
+    rates = io_rates([record])
+    # 4 + 2 + 2 MiB/s, one chunk either side of the window
+    assert 5 <= rates["io"] <= 12, rates
+    assert rates["read"] > rates["disk_write"] > 0 and rates["tmpfs_write"] > 0
+    assert not (tmp_path / "disk" / "write").exists()
+
+
+def test_held_passes_count_over_the_trace():
+    trace = [{"t_s": 1.0, "held_passes": 3, "passes": 10},
+             {"t_s": 2.0, "held_passes": 9, "passes": 12}]
+    assert held_passes(trace) == (6, 2)
+    assert held_passes([{"held_passes": None, "passes": 1}]) == (0, 0)
+
+
+def test_reclaim_io_runs_only_where_the_guest_has_a_disk_root(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+    assert cli.main([*dryrun.argv("reclaim-io", "qemu", ()), "--accel", "tcg"]) != 0
+    assert "qemu-debian" in capsys.readouterr().err
+    assert "qemu-debian" in get("reclaim-io").platforms
+
+
+def test_the_debian_platform_boots_its_kernel_fragment_and_root_disk(capsys, tmp_path,
+                                                                      monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FREEPAGE_CACHE", str(cache))
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+    assert cli.main([*dryrun.argv("reclaim-io", "qemu-debian", ()), "--accel", "tcg"]) == 0
+    err = capsys.readouterr().err
+    assert "debian-guest.config" in err and "mmdebstrap --variant=minbase" in err
+    qemu = [ln for ln in err.splitlines() if ln.startswith("$ qemu-system-x86_64")]
+    assert qemu and all("+debian-guest" in ln and "fp.root=/dev/vda" in ln for ln in qemu)
+    assert all(f"file={cache}/debian/guest-" in ln for ln in qemu)
+
+
+def test_an_unknown_parameter_is_refused():
+    with pytest.raises(LabError):
+        get("reclaim-io").params({"io_mibs": "3"})
