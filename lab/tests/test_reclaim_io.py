@@ -53,6 +53,16 @@ def test_the_workload_keeps_its_rate_and_says_what_it_did(tmp_path):
     assert not (tmp_path / "disk" / "write").exists()
 
 
+def test_without_io_no_worker_starts_and_the_record_says_zero(tmp_path):
+    p = ReclaimIoParams(io_mib_s=0)
+    script = "\n".join([io_functions(p, str(tmp_path / "disk"), str(tmp_path / "tmpfs")),
+                        "io_start", "sleep 0.2", "io_stop"])
+    assert "worker read" not in script
+    out = subprocess.run(["sh", "-e"], input=script, text=True, capture_output=True,
+                         check=True, timeout=60).stdout
+    assert io_rates([json.loads(out.strip().splitlines()[-1])])["io"] == 0
+
+
 def test_held_passes_count_over_the_trace():
     trace = [{"t_s": 1.0, "held_passes": 3, "passes": 10},
              {"t_s": 2.0, "held_passes": 9, "passes": 12}]
