@@ -3,6 +3,9 @@
 (a) UML + vhost-user-balloon and (b) QEMU (x86_64, TCG, Debian's QEMU 10):
 the guest frees 256 MiB of 4 KiB pages with the kernel's DEFAULT per-cpu
 list settings; >= 90% of it must be off the host within 5 s of the free.
+(a') the Debian guest (qemu-debian: a Debian 12 root on virtio-blk) reads
+and writes files through its page cache and tmpfs while it frees 256 MiB;
+once the I/O stops, at least 40% must be off the host within 5 s.
 (c) every page_reporting knob refuses out-of-range writes with EINVAL /
 ERANGE and a valid write reads back.
 (d) sysfs holds the tunables only; the counters and the blocking flush are
@@ -10,7 +13,9 @@ in debugfs, and a flush there reports what a free left behind.
 
 FREEPAGE_REPORTING_KERNEL=stock runs the same tests on stock 6.12, where
 they must fail (the bug they were written against: stock keeps 4 KiB frees
-on the per-cpu lists and reports 1/16 of a free list every 2 s).
+on the per-cpu lists and reports 1/16 of a free list every 2 s); (a') is
+not written against that bug: it needs reporting at all, and the Debian
+guest's root, I/O and init to work.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from freepage_lab.guestshell import (
     REPORTING_TUNABLES,
 )
 from freepage_lab.initramfs import EVENT
+from freepage_lab.scenarios.reclaim_io import IO_PROG, ReclaimIoParams, io_functions, io_rates
 
 pytestmark = pytest.mark.slow
 MIB = 1 << 20
@@ -42,44 +48,84 @@ ORDER_PARAM = "/sys/module/page_reporting/parameters/page_reporting_order"
 DRIVER = "/sys/bus/virtio/drivers/virtio_balloon"
 
 
-def released_within(lab, platform: str, mem_mib: int) -> tuple[float, float | None]:
-    """Boot, free FREED_MIB of 4 KiB pages; (fraction released within WITHIN_S, t90 s)."""
+def released_within(lab, platform: str, mem_mib: int, before: str = "", after_free: str = "",
+                    after: str = "") -> tuple[float, float | None, harness.Booted]:
+    """Boot, free FREED_MIB of 4 KiB pages; (fraction released by WITHIN_S
+    into the window, t90 s into it, the boot). The window opens when the
+    guest has run `after_free` after the free (at once without it);
+    `before` and `after`: guest shell before the populate and at the end."""
     ctx = lab.context(platform, patched=PATCHED)
     script = f"""{BALLOON_BOUND}
+{before}
 populate --mib {FREED_MIB} --mode 4k --fill 165 --tag report
 echo {EVENT} freed
+{after_free}
+echo {EVENT} window
 sleep {WITHIN_S + 1:.0f}
+{after}
 """
     # the context's kernel on Debian's QEMU: only the guest kernel is under test
     variant = harness.Variant(KERNEL, stock_qemu=True, zeroing=None)
     with lab.start(ctx, f"report-{platform}", script, variant, initrd="report", mem_mib=mem_mib,
                    timeout_s=180, footprint_s=0.02) as run:
         freed = run.mark("freed").line
-        while time.monotonic() < freed.t + WITHIN_S + 0.1:
+        opened = run.mark("window").line
+        while time.monotonic() < opened.t + WITHIN_S + 0.1:
             time.sleep(0.1)
         assert run.wait_exit(60) == 0
-    samples = harness.check(run.booted).footprint
+    booted = harness.check(run.booted)
+    samples = booted.footprint
     rate = run.booted.footprint_hz
     peak = max(s.bytes for s in samples if s.t <= freed.t + 0.1)
-    window = [s for s in samples if freed.t <= s.t <= freed.t + WITHIN_S]
+    window = [s for s in samples if opened.t <= s.t <= opened.t + WITHIN_S]
     low = min(s.bytes for s in window)
-    t90 = next((s.t - freed.t for s in window if peak - s.bytes >= 0.9 * FREED_MIB * MIB), None)
+    t90 = next((s.t - opened.t for s in window if peak - s.bytes >= 0.9 * FREED_MIB * MIB), None)
     fraction = (peak - low) / (FREED_MIB * MIB)
     t90_text = "never" if t90 is None else f"{t90:.2f} s"
+    if after_free:
+        print(f"{platform} {KERNEL}: {(peak - window[0].bytes) / MIB:.0f} of {FREED_MIB} MiB "
+              f"released in the {opened.t - freed.t:.1f} s from the free to the window")
     print(f"{platform} {KERNEL}: {(peak - low) / MIB:.0f} of {FREED_MIB} MiB ({fraction:.0%}) "
-          f"released within {WITHIN_S:.0f} s of the free, 90% at {t90_text}, "
-          f"sampled at {rate:.0f} Hz")
-    return fraction, t90
+          f"released within {WITHIN_S:.0f} s of the {'window' if after_free else 'free'}, "
+          f"90% at {t90_text}, sampled at {rate:.0f} Hz")
+    return fraction, t90, booted
 
 
 def test_uml_gives_back_90_percent_of_4k_frees_within_5s(lab):
-    fraction, _ = released_within(lab, "uml", 1024)
+    fraction, _, _ = released_within(lab, "uml", 1024)
     assert fraction >= 0.9, f"UML, {KERNEL} kernel: only {fraction:.0%} released in {WITHIN_S} s"
 
 
 def test_qemu_gives_back_90_percent_of_4k_frees_within_5s(lab):
-    fraction, _ = released_within(lab, "qemu", 1024)
+    fraction, _, _ = released_within(lab, "qemu", 1024)
     assert fraction >= 0.9, f"QEMU, {KERNEL} kernel: only {fraction:.0%} released in {WITHIN_S} s"
+
+
+# of a free in the Debian guest under I/O, what must be back on the host
+# within WITHIN_S of the I/O's end: not the idle guest's 90%, since the
+# I/O's allocations leave part of the free in blocks below the reporting
+# order (docs/results/page-reporting.md, reporting under file I/O: 55-69%
+# in two boots); without reporting nothing comes back
+DEBIAN_IO_RELEASED = 0.4
+
+
+def test_debian_guest_reads_and_writes_files_and_gets_its_free_back_when_the_io_stops(lab):
+    """The Debian guest (Debian 12 root on virtio-blk, the lab's init) reads
+    and writes files through its page cache and tmpfs while it frees, for
+    3 s; then the I/O stops, and at least DEBIAN_IO_RELEASED of the free
+    must be back on the host within 5 s."""
+    p = ReclaimIoParams(io_mib_s=32, io_chunk_mib=4)
+    fraction, _, booted = released_within(
+        lab, "qemu-debian", 1024, f"cat /etc/debian_version\n{io_functions(p)}\nio_start",
+        "sleep 3\nio_stop")
+    assert any(re.fullmatch(r"12\.\d+", ln.strip()) for ln in booted.lines), \
+        "the script did not run in the Debian 12 root"
+    rates = io_rates(booted.records(IO_PROG))
+    print(f"I/O: {rates['io']:.1f} MiB/s ({', '.join(f'{k} {v:.1f}' for k, v in rates.items())})")
+    assert all(rates[w] > 0 for w in ("read", "disk_write", "tmpfs_write")), rates
+    assert fraction >= DEBIAN_IO_RELEASED, (
+        f"Debian guest, {KERNEL} kernel: only {fraction:.0%} released within {WITHIN_S} s of "
+        "the I/O's end")
 
 
 # (knob, value, what the kernel must answer); the order is the module parameter
