@@ -32,6 +32,8 @@ class Step:
     kind: str  # "ab" or "own"
     params: dict[str, str]
     quick: dict[str, str]
+    # config fragments of its kernels (FRAGMENTS unless the scenario brings its own)
+    fragments: tuple[str, ...] | None = None
 
 
 STEPS = (
@@ -78,7 +80,10 @@ STEPS = (
          "split", "arm64", "own",
          {"mib": "1024", "rounds": "1", "variants": "stock,p1-3,p1-4,p1-5,series",
           "backings": "anonymous,anonymous_thp,anonymous_hugetlb_1gb"},
-         {"mib": "64", "rounds": "1", "variants": "stock,p1-3,p1-4,p1-5,series"}),
+         {"mib": "64", "rounds": "1", "variants": "stock,p1-3,p1-4,p1-5,series"},
+         # the scenario's own -O2 fragment (arm64-split-bench.config): the kernels of
+         # `freepage run split`, no second set with bench.config's CMA and schedstats
+         fragments=()),
     Step("pre-zeroing: 4 KiB populate and in-kernel __GFP_ZERO, stock vs pre-zeroed (UML)",
          "prezero", "uml", "own",
          {"variants": "vanilla,on", "modes": "4k,kzero9", "mem_mib": "1280",
@@ -136,7 +141,8 @@ def contexts(shell: Shell, accel: str) -> tuple[RunContext, RunContext]:
 def run_step(step: Step, stock: RunContext, freepage: RunContext, quick: bool) -> str:
     scenario = scenarios.get(step.scenario)
     params = scenario.params(step.quick if quick else step.params)
-    stock, freepage = stock.on(step.platform), freepage.on(step.platform)
+    kw = {} if step.fragments is None else {"extra_fragments": step.fragments}
+    stock, freepage = stock.on(step.platform, **kw), freepage.on(step.platform, **kw)
     if step.kind == "own":
         outcome: Outcome = scenarios.run(scenario, freepage, params)
         return outcome.table

@@ -1,5 +1,7 @@
 """freepage demo: the plan and the side-by-side table (no boot)."""
 
+import re
+
 from freepage_lab import cli, demo
 
 
@@ -78,3 +80,16 @@ def test_a_failed_step_says_why_and_the_demo_goes_on(capsys, tmp_path, monkeypat
     assert "2 failed" in (run / "summary.txt").read_text()
     # the figures say which CPU they come from
     assert "xstate_bytes" in (run / "host.json").read_text()
+
+
+def test_the_split_step_measures_the_kernels_of_freepage_run_split(capsys, tmp_path, monkeypatch):
+    """Its kernels carry the scenario's own -O2 fragment only, so the demo
+    boots the kernels `freepage run split` measured (no second set built with
+    bench.config), every step of the series among them."""
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+    assert cli.main(["--dry-run", "demo", "--quick", "--only", "split"]) == 0
+    builds = [ln for ln in capsys.readouterr().err.splitlines()
+              if ln.startswith("$ make ") and ln.endswith(" olddefconfig")]
+    labels = sorted({re.search(r"O=\S*/(arm64-\S+)-[0-9a-f]{16} ", ln).group(1) for ln in builds})
+    assert labels == [f"arm64-release-{k}+arm64-split-bench+split-walk-stats"
+                      for k in ("patched", "patched3", "patched4", "patched5", "vanilla")]

@@ -183,16 +183,18 @@ def test_bad_guest_page_size_is_refused(tmp_path):
 
 
 def test_step_table_puts_the_document_beside_patches_1_to_3():
-    def thp(variant_s):
+    def thp(variant_s, breaks=0):
         return split.parse_record(rec(backing="anonymous_thp", visits=(0, 0, 0, 0), calls=0,
-                                      enable=variant_s))
+                                      enable=variant_s, breaks=breaks))
     samples = {"stock": [thp("0.100000000")], "p1-3": [thp("0.080000000")],
-               "p1-4": [thp("0.010000000")], "series": [thp("0.005000000")]}
+               "p1-4": [thp("0.010000000", breaks=2)], "series": [thp("0.005000000")]}
     out = split.render_steps(split.summarise_cases(samples))
     head, row = out.splitlines()[0].split(), out.splitlines()[2]
     assert head[3:6] == ["p1-3", "document", "(hw"]  # the document right after patches 1-3
     assert "80.00 (-20.0%)  -24.7%" in row and "5.00 (-95.0%)" in row
     assert "p1-5" not in head  # a step not run has no column
+    # split faults of every kernel, in the order of the steps
+    assert head[-2:] == ["faults", "stock/p1-3/p1-4/series"] and row.rstrip().endswith("0 / 0 / 2 / 0")
     assert "not time" in out
 
 

@@ -298,16 +298,19 @@ def render_steps(cases: list[dict[str, Any]]) -> str:
             if v == DOCUMENT_STEP:
                 doc = _document(c)
                 row.append("n/a" if doc is None else f"{doc:+.1f}%")
+        row.append(" / ".join(_faults(c.get(v, {})) for v in ("stock", *steps)))
         rows.append(row)
     head = ["backing", "ioctl", "stock"]
     for v in steps:
         head.append(v)
         if v == DOCUMENT_STEP:
             head.append("document (hw time)")
+    head.append("split faults " + "/".join(("stock", *steps)))
     legend = "\n".join(f"  {v}: {STEPS[v]}" for v in steps)
     return (table(head, rows) + "\nemulator instructions of the ioctl, millions (change from "
             "stock), not time; the document's figures are hardware time of patches 1-3's "
-            "change\n" + legend)
+            "change; split faults: blocks broken in the fault path over the whole test\n"
+            + legend)
 
 
 class Split(Scenario):
