@@ -1,6 +1,6 @@
 import pytest
 
-from freepage_lab import cli
+from freepage_lab import cli, kernel, paths
 from freepage_lab.shell import LabError, Shell
 
 
@@ -72,6 +72,18 @@ def test_irqsoff_fragment_applies_to_the_stock_kernel_too(capsys, lab_dirs):
     merged = [ln for ln in capsys.readouterr().err.splitlines() if "merge_config.sh" in ln]
     assert merged and "x86_64-release-vanilla+irqsoff" in merged[0]
     assert "kernel/configs/irqsoff.config" in merged[0]
+
+
+def test_64k_pages_fragment_replaces_the_4k_choice_on_both_kernels(capsys, lab_dirs):
+    """A page size is the platform's, not the series': stock gets it too, and
+    it comes after arm64.config, whose 4 KiB choice it turns off."""
+    for vanilla in (["--vanilla"], []):
+        assert cli.main(["--dry-run", "boot", *vanilla, "--platform", "arm64",
+                         "--fragment", "arm64-64k.config"]) == 0
+        [merged] = [ln for ln in capsys.readouterr().err.splitlines() if "merge_config.sh" in ln]
+        assert merged.index("configs/arm64.config") < merged.index("configs/arm64-64k.config")
+    frag = kernel.parse_fragment((paths.CONFIG_DIR / "arm64-64k.config").read_text())
+    assert frag == {"CONFIG_ARM64_4K_PAGES": "n", "CONFIG_ARM64_64K_PAGES": "y"}
 
 
 def test_series_check_qemu_checks_every_qemu_series(capsys, monkeypatch):
