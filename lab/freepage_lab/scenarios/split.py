@@ -46,19 +46,24 @@ from . import Outcome, Scenario, table
 
 STATS_PATCH = "split-walk-stats.patch"
 # What counting one visit adds to the walk (split-walk-stats.patch; read
-# off the disassembly of both kernels' __kvm_pgtable_walk): a compare and
-# branch on the walker (every walk pays these two, the same in both
-# kernels) and a load/add/store of the counter with its address: 7
-# instructions at the last level, 8 above it (an index). Subtracted from
-# the ioctl figures, which would otherwise bill stock for its extra visits.
+# off the disassembly of the -O2 kernels' __kvm_pgtable_walk, stock and the
+# series): a compare and branch on the walker (every walk pays these two,
+# the same in both kernels) and a load/add/store of the counter with its
+# address: 7 instructions at the last level, 8 above it (an index; stock
+# keeps the counters' address in a register on one path, 6 there, which
+# leaves stock's figures at most 2 instructions per upper-level visit too
+# low, <0.04M for a whole run). Subtracted from the ioctl figures, which
+# would otherwise bill stock for its extra visits.
 STATS_INSNS_PER_VISIT = (8, 8, 8, 7)
 # What timing one kvm_pgtable_stage2_split() call adds (split-walk-stats.patch,
-# read off the disassembly of kvm_mmu_split_huge_pages() in both kernels):
-# two ktime_get() calls of 58 instructions each on the common path (seqcount,
-# clocksource read through two calls, cycles to ns) with their calls, the
-# spills around them and the two counters. Subtracted from the ioctl figures
-# too: a kernel that skips a split call would otherwise be credited with it.
-STATS_INSNS_PER_CALL = 129
+# read off the disassembly of the -O2 kernels, the same code in stock and
+# the series): two calls of ktime_get(), 46 instructions each on its common
+# path (33 of its own, the clocksource read through two calls 13), the
+# copy of the first reading, and the two counters' update (102 in all
+# inside the chunk loop, 104 for the last chunk of a range). Subtracted
+# from the ioctl figures too: a kernel that skips a split call would
+# otherwise be credited with it. (-Os kernels: 129, ktime_get() 58.)
+STATS_INSNS_PER_CALL = 103
 # both kernels without test code (kernel/configs/arm64-split-bench.config)
 BENCH_FRAGMENT = "arm64-split-bench.config"
 STATS = "/sys/module/kvm/parameters/split_walk_stats"
