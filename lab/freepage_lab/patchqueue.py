@@ -9,6 +9,7 @@ import hashlib
 import os
 import re
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -258,11 +259,41 @@ def export_stack(shell: Shell, tree: Path, queues: Sequence[Queue]) -> dict[str,
     up to HEAD, so that new commits on top belong to it)."""
     out: dict[str, list[str]] = {}
     start = BASE_TAG
+    commits: dict[str, list[str]] = {}
     for q in queues:
         end = "HEAD" if q is queues[-1] else q.tag
+        before = [c for done in commits.values() for c in done]
         out[q.name] = export(shell, tree, q.patch_dir, start, end, q.rfc)
+        commits[q.name] = commit_list(shell, tree, start, end)
+        if not shell.dry_run and out[q.name]:
+            keep = {c for r in q.requires for c in commits.get(r, [])}
+            cover = q.patch_dir / COVER
+            cover.write_text(only_prerequisites(cover.read_text(), before, keep))
         start = end
     return out
+
+
+def commit_list(shell: Shell, tree: Path, start: str, end: str) -> list[str]:
+    """The commits start..end, oldest first."""
+    if shell.dry_run:
+        return []
+    return subprocess.run(["git", "-C", str(tree), "rev-list", "--reverse", f"{start}..{end}"],
+                          capture_output=True, text=True, check=True).stdout.split()
+
+
+def only_prerequisites(cover: str, before: list[str], keep: set[str]) -> str:
+    """The cover letter without the prerequisite-patch-id lines of the
+    commits outside `keep`: format-patch names every commit between the
+    base and the series (`before`, oldest first, one line each in that
+    order), but a series needs only those of the series it requires (one
+    that applies to the pristine base alone names none).  Unchanged where
+    the lines do not match `before` one for one."""
+    lines = cover.splitlines(keepends=True)
+    prereq = [i for i, ln in enumerate(lines) if ln.startswith("prerequisite-patch-id: ")]
+    if len(prereq) != len(before):
+        return cover
+    drop = {i for i, c in zip(prereq, before) if c not in keep}
+    return "".join(ln for i, ln in enumerate(lines) if i not in drop)
 
 
 def check_applies(shell: Shell, base: Path, series: Series, what: str) -> None:

@@ -193,6 +193,31 @@ def test_an_rfc_series_is_exported_as_rfc(tmp_path, queues):
     assert "Subject: [RFC PATCH 1/1] hello: greet the world" in patch
 
 
+def test_a_series_names_only_the_prerequisites_it_requires(tmp_path, queues):
+    """`third` applies to the base alone: its cover letter names no
+    prerequisite, although `first`'s patch comes before it in the tree;
+    `second` requires `first` and names its patch."""
+    queues["third"] = Queue("third", tmp_path / "root")
+    queues["third"].patch_dir.mkdir(parents=True)
+    queues["second"] = Queue("second", tmp_path / "root", ("first",))
+    stack = [queues["first"], queues["second"], queues["third"]]
+    tree = tmp_path / "tree"
+    patchqueue.work_tree(Shell(quiet=True), tmp_path / "base", tree, stack, "base", "base", 7)
+    for name, (path, text) in (("first", ("hello.txt", "hello, world\n")),
+                               ("second", ("hello.txt", "hello, world!\n")),
+                               ("third", ("other.txt", "other\n"))):
+        (tree / path).write_text(text)
+        git(tree, "add", path)
+        git(tree, "commit", "-q", "-m", f"{name}: change")
+        git(tree, "tag", "-f", f"series/{name}")
+    patchqueue.export_stack(Shell(quiet=True), tree, stack)
+    second = (queues["second"].patch_dir / patchqueue.COVER).read_text()
+    third = (queues["third"].patch_dir / patchqueue.COVER).read_text()
+    assert second.count("prerequisite-patch-id: ") == 1
+    assert "prerequisite-patch-id: " not in third
+    assert "base-commit: " in third
+
+
 def test_the_base_commit_is_the_source_whatever_checkpatch_left_beside_it(tmp_path, queues):
     """checkpatch.pl writes its cache into the base tree it runs in: two
     work trees made before and after a check have the same base commit
