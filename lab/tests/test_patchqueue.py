@@ -164,22 +164,19 @@ def test_export_carries_the_cover_letter_text() -> None:
     assert patchqueue.carry_cover("garbage", new) == new
 
 
-def test_export_carries_a_folded_subject_whole() -> None:
-    old = ("From 1 Mon Sep 17 00:00:00 2001\nSubject: [PATCH 0/5] migration: a long title,\n"
-           " folded\n\nText.\n\nfreepage (5):\n  mm: one\n")
-    new = ("From 2 Mon Sep 17 00:00:00 2001\nSubject: [PATCH 0/5] *** SUBJECT HERE ***\n\n"
+@pytest.mark.parametrize("tag, title, kept", [
+    # a folded subject is carried whole
+    ("PATCH 0/5", "migration: a long title,\n folded", "migration: a long title, folded"),
+    # an RFC series keeps its text too
+    ("RFC PATCH 0/1", "migration: a title", "migration: a title"),
+])
+def test_export_carries_the_subject_whole(tag, title, kept) -> None:
+    old = (f"From 1 Mon Sep 17 00:00:00 2001\nSubject: [{tag}] {title}\n\nText.\n\n"
+           "freepage (5):\n  mm: one\n")
+    new = (f"From 2 Mon Sep 17 00:00:00 2001\nSubject: [{tag}] *** SUBJECT HERE ***\n\n"
            "*** BLURB HERE ***\n\nfreepage (5):\n  mm: one\n")
     out = patchqueue.carry_cover(old, new)
-    assert "Subject: [PATCH 0/5] migration: a long title, folded\n\nText.\n\n" in out
-
-
-def test_an_rfc_series_keeps_its_cover_letter_text() -> None:
-    old = ("From 1 Mon Sep 17 00:00:00 2001\nSubject: [RFC PATCH 0/1] migration: a title\n\n"
-           "Text.\n\nfreepage (1):\n  migration: one\n")
-    new = ("From 2 Mon Sep 17 00:00:00 2001\nSubject: [RFC PATCH 0/1] *** SUBJECT HERE ***\n\n"
-           "*** BLURB HERE ***\n\nfreepage (1):\n  migration: one\n")
-    out = patchqueue.carry_cover(old, new)
-    assert "Subject: [RFC PATCH 0/1] migration: a title\n\nText.\n\n" in out
+    assert f"Subject: [{tag}] {kept}\n\nText.\n\n" in out
 
 
 def test_an_rfc_series_is_exported_as_rfc(tmp_path, queues):
