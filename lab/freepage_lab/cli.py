@@ -100,7 +100,8 @@ def cmd_qemu(args: argparse.Namespace, shell: Shell) -> int:
     if args.action == "qtest":
         return report([qemu.qtest_stage(shell, tuple(args.extra_patch))])
     if args.action == "migration-test":
-        return report([qemu.migration_test_stage(shell, tuple(args.extra_patch))])
+        return report([qemu.migration_test_stage(shell, tuple(args.extra_patch),
+                                                 pristine=args.pristine)])
     # each series applies to pristine QEMU after the series it requires
     return report([qemu.check(shell, q) for q in qemu.QUEUES.values()])
 
@@ -363,6 +364,9 @@ def parser() -> argparse.ArgumentParser:
                    help="qtest, migration-test: also apply the test-only qemu/bench/NAME "
                         "to the patched build (e.g. one that "
                         "takes a fix back out)")
+    q.add_argument("--pristine", action="store_true",
+                   help="migration-test: also run every chosen case on pristine QEMU "
+                        "(else only those the patched build does not pass)")
     q.set_defaults(func=cmd_qemu)
 
     bt = sub.add_parser("boot", help="boot a guest and run a script")

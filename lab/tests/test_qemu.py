@@ -169,16 +169,60 @@ def test_qtest_dry_run_builds_the_test_in_the_build_dir(capsys):
     assert "ninja -C" in err and f"tests/qtest/{qemu.QTEST_NAME}" in err
 
 
-def test_migration_test_dry_run_builds_it_for_the_pristine_and_the_patched_build(capsys):
-    res = qemu.migration_test_stage(Shell(dry_run=True))
+@pytest.mark.parametrize("pristine", [False, True])
+def test_migration_test_dry_run_builds_pristine_qemu_only_when_asked(capsys, pristine):
+    res = qemu.migration_test_stage(Shell(dry_run=True), pristine=pristine)
     assert res.status == "dry-run"
     err = capsys.readouterr().err
-    pristine = qemu.tree_path(qemu.pristine_series())
-    patched = qemu.tree_path(qemu.load_series())
-    assert pristine != patched
-    for tree in (pristine, patched):
-        assert f"ninja -C {tree}/build-" in err
-    assert err.count(f"tests/qtest/{qemu.MIGRATION_TEST}") == 2
+    trees = {qemu.tree_path(qemu.pristine_series()): pristine,
+             qemu.tree_path(qemu.load_series()): True}
+    assert len(trees) == 2
+    for tree, built in trees.items():
+        assert (f"ninja -C {tree}/build-" in err) == built
+    assert err.count(f"tests/qtest/{qemu.MIGRATION_TEST}") == 1 + pristine
+
+
+def fake_migration_test(monkeypatch, tmp_path, statuses: dict[str, dict[str, str]]) -> list[str]:
+    """migration-test on fake builds: statuses[build][case]; returns the
+    builds asked for, in order."""
+    built: list[str] = []
+
+    def build(shell, series=None, extra_patches=()):
+        name = "pristine" if series is not None else "patched"
+        built.append(name)
+        out = tmp_path / name
+        out.mkdir(exist_ok=True)
+        return qemu.BuiltQemu(out, out / "qemu", name)
+
+    def run(shell, b, binary, paths_, args=(), timeout_s=0):
+        return [qemu.QtestCase(c, statuses[b.key].get(c, "failed"), "out") for c in paths_]
+
+    monkeypatch.setattr(qemu, "build", build)
+    monkeypatch.setattr(qemu, "build_qtest", lambda shell, b, name: b.out_dir / name)
+    monkeypatch.setattr(qemu, "migration_test_cases",
+                        lambda shell, b, binary: [*qemu.MIGRATION_TEST_CASES, "/own"])
+    monkeypatch.setattr(qemu, "run_qtest_cases", run)
+    return built
+
+
+def test_migration_test_runs_pristine_qemu_only_for_what_the_patched_build_fails(
+        monkeypatch, tmp_path):
+    every = {c: "ok" for c in (*qemu.MIGRATION_TEST_CASES, "/own")}
+    built = fake_migration_test(monkeypatch, tmp_path, {"patched": every, "pristine": {}})
+    res = qemu.migration_test_stage(Shell())
+    assert res.status == "ok" and built == ["patched"], res.detail
+    assert "pristine not needed" in res.detail
+    first = qemu.MIGRATION_TEST_CASES[0]
+    # a case both builds fail is the host's; one only pristine passes is a regression
+    for on_pristine, status in (("failed", "ok"), ("ok", "failed")):
+        for f in tmp_path.glob("*/" + qemu.PRISTINE_PASSED):
+            f.unlink()
+        built = fake_migration_test(monkeypatch, tmp_path, {
+            "patched": {**every, first: "failed"}, "pristine": {first: on_pristine}})
+        res = qemu.migration_test_stage(Shell())
+        assert built == ["patched", "pristine"]
+        assert res.status == status, res.detail
+        assert ("REGRESSION " + first in res.detail) == (status == "failed")
 
 
 def test_migration_test_fails_on_a_case_only_the_pristine_build_passes():
