@@ -199,7 +199,7 @@ def check(shell: Shell, queue: Queue) -> StageResult:
 # --fragment files that apply to the stock kernel of a comparison too (the
 # others set the series' own options, which a stock kernel does not have)
 STOCK_FRAGMENTS = ("bench.config", "arm64-split-bench.config", "mm-selftests.config",
-                   "irqsoff.config", "arm64-64k.config")
+                   "irqsoff.config", "arm64-16k.config", "arm64-64k.config")
 
 
 @dataclass(frozen=True)

@@ -28,16 +28,20 @@ def script(kvm_mode: str, log_modes: tuple[str, ...]) -> str:
     return "".join(lines)
 
 
-# the series' KUnit suite on 64 KiB pages: a kernel of its own (a cold build
-# of ~10 minutes, no ccache hits across page sizes), so outside make test
+# the series' KUnit suite on 16 and 64 KiB pages: a kernel of its own each
+# (a cold build of ~10 minutes, no ccache hits across page sizes), so
+# outside make test
+PAGES_16K = "arm64-16k.config"
 PAGES_64K = "arm64-64k.config"
 # the series runs dirty_log_test in both log modes (split at enable, split
 # at clear) under VHE and nVHE; stock once, as the reference the test holds on;
-# on 64 KiB pages, the series boots for its KUnit suite
+# on 16 and 64 KiB pages, the series boots for its KUnit suite
 CASES = [pytest.param("stock", "vhe", ("dirty-log",), (), id="stock-vhe"),
          pytest.param("stock", "nvhe", (), (), id="stock-nvhe"),
          pytest.param("series", "vhe", LOG_MODES, (), id="series-vhe"),
          pytest.param("series", "nvhe", LOG_MODES, (), id="series-nvhe"),
+         pytest.param("series", "vhe", (), (PAGES_16K,), marks=pytest.mark.gate,
+                      id="series-vhe-16k"),
          pytest.param("series", "vhe", (), (PAGES_64K,), marks=pytest.mark.gate,
                       id="series-vhe-64k")]
 
@@ -65,6 +69,6 @@ def test_arm64_kvm_initialises_and_dirty_log_test_passes(lab, kernel: str, kvm_m
             # every case of the suite on 4 KiB pages, the -ENOMEM one included
             assert suite["pass"] >= 11, results
         else:
-            # 64 KiB pages: the cases that need level-1 blocks skip (none in 6.12)
+            # 16/64 KiB pages: the cases that need level-1 blocks skip (none in 6.12)
             assert suite["pass"] + suite["skip"] == suite["total"] >= 11, results
             assert all("no level-1 blocks" in why for why in results.skipped.values()), results
