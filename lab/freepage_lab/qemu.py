@@ -64,8 +64,10 @@ MIGRATION_TEST_CASES = (
     "/x86_64/migration/multifd/tcp/plain/zero-page/legacy",
     "/x86_64/migration/multifd/tcp/plain/zero-page/none",
 )
-# the queue's own cases (qemu/skip-unpopulated), which only the patched build has
-MIGRATION_TEST_QUEUE_CASES = "/x86_64/migration/skip-unpopulated/"
+# the queue's own cases (qemu/hint-during-pass, qemu/skip-unpopulated), which
+# only the patched build has
+MIGRATION_TEST_QUEUE_CASES = ("/x86_64/migration/precopy/free-page-hint/",
+                              "/x86_64/migration/skip-unpopulated/")
 MIGRATION_TEST_CASE_TIMEOUT_S = 300
 # the pristine build's passed cases, kept in its build directory: the same
 # source and test every time, so a warm run does not run them again
