@@ -285,7 +285,8 @@ def config_mismatches(wanted: dict[str, str], final: dict[str, str]) -> list[str
 
 def build_key(spec: BuildSpec, version: str, series: Series) -> str:
     h = hashlib.sha256()
-    h.update(f"{version}\0{spec.arch}\0{spec.variant}\0".encode())
+    base = platforms.arch(spec.arch).base_config
+    h.update(f"{version}\0{spec.arch}\0{base}\0{spec.variant}\0".encode())
     # a stock kernel with test-only patches is keyed by those patches too
     h.update((series.digest() if spec.patched or series.names else "vanilla").encode())
     for frag in spec.fragments():

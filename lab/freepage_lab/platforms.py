@@ -43,7 +43,7 @@ class Arch:
 
 ARCHES: dict[str, Arch] = {a.name: a for a in (
     # platform/um: FP registers as large as the host's XSAVE area (AMX hosts)
-    Arch("um", "linux", "defconfig", device_init_opt_in=("virtio_balloon.device_init=1",),
+    Arch("um", "linux", "tinyconfig", device_init_opt_in=("virtio_balloon.device_init=1",),
          platform_series="platform/um"),
     Arch("x86_64", "arch/x86/boot/bzImage", "tinyconfig",
          device_init_opt_in=("virtio_balloon.device_init=1",)),

@@ -348,6 +348,7 @@ RT_SPLATS = ("sleeping function called from invalid context", "BUG:",
              "possible circular locking", "inconsistent lock state", "Bad page")
 
 
+@pytest.mark.gate
 def test_rt_kernel_runs_the_series_without_a_splat(lab):
     """The series on PREEMPT_RT with lockdep and DEBUG_ATOMIC_SLEEP
     (kernel/configs/rt.config), two vCPUs: the KUnit suites at boot, then
