@@ -79,7 +79,7 @@ test-backend:
 	else echo "vhost-user-balloon: not present yet"; fi
 
 test-boot: deps
-	$(VENV)/bin/pytest -q -m "slow and not gate" --durations=12 lab/tests
+	$(VENV)/bin/pytest -q -m "slow and not gate" --durations=25 lab/tests
 
 clean:
 	rm -rf runs guest/build

@@ -72,15 +72,18 @@ def test_uml_runs_where_the_hosts_xsave_area_outgrows_6_12s_buffer(lab, patched)
     assert rec["fork_kept"] and rec["procs_changed"] == 0
 
 
+# the QEMU boots run the series' kernel, the one x86_64 kernel make test
+# builds (the demo and the gate tests build stock's to compare with)
 def test_qemu_boots_with_balloon_bound_and_a_real_clock(lab):
     # jiffies lose ticks under TCG: guest-side timings would be fiction
     clock = "! grep -q jiffies /sys/devices/system/clocksource/clocksource0/current_clocksource\n"
-    recs = boot(lab, lab.context("qemu"), CHECK_SCRIPT + clock, lab.PLAIN, mem_mib=512)
+    recs = boot(lab, lab.context("qemu", patched=True), CHECK_SCRIPT + clock, lab.PLAIN,
+                mem_mib=512)
     assert [r["nonzero_bytes"] for r in recs] == [0, 0]
 
 
 def test_qemu_reclaim_gives_back_80_percent_within_30s(lab):
-    ctx = lab.context("qemu")
+    ctx = lab.context("qemu", patched=True)
     scen = reclaim.ReclaimScenario()
     params = scen.params({"repeat": "1", "settle_s": "30", "populate_mib": "512", "modes": "thp",
                          "variants": "context"})
@@ -96,7 +99,7 @@ def test_qemu_reclaim_gives_back_80_percent_within_30s(lab):
 
 
 def test_panicking_guest_fails_precisely_and_leaves_nothing(lab):
-    ctx = lab.context("qemu")
+    ctx = lab.context("qemu", patched=True)
     pids = []
     with pytest.raises(GuestError, match="Kernel panic"):
         with lab.start(ctx, "panic", "true\n", lab.PLAIN, mem_mib=256,

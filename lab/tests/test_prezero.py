@@ -215,8 +215,9 @@ echo 0 > {PREZERO_DIR}/enabled
 def test_prezero_stays_inside_its_cpu_cap_on_qemu(lab):
     """kprezerod at cpu_percent=5, with dirty memory left over at the end of
     every window: the scheduler's own runtime of the thread
-    (/proc/<pid>/schedstat, bench kernel, QEMU icount) must stay within 5% of
-    each 1 s window.
+    (/proc/<pid>/schedstat, QEMU icount) must stay within 5% of each 1 s
+    window. The series' test kernel: its verification and KUnit cost the
+    tasks that allocate and the boot, not the thread.
 
     Before the throttle charged the whole slice (the drain, the count, the
     looks at empty orders), it charged only the blocks cleared, and the
@@ -224,7 +225,7 @@ def test_prezero_stays_inside_its_cpu_cap_on_qemu(lab):
     """
     from freepage_lab.scenarios import prezero_cpu
 
-    ctx = lab.context("qemu", patched=True, extra_fragments=("bench.config",))
+    ctx = lab.context("qemu", patched=True)
     scen = prezero_cpu.PrezeroCpu()
     params = scen.params({"caps": "5", "repeat": "3", "pool_mib": "512", "mem_mib": "1024"})
     out = scen.run(ctx, params)

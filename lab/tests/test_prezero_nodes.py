@@ -2,7 +2,7 @@
 
 QEMU x86_64 guests with NUMA nodes of 512 MiB each (Plan.numa_nodes), two
 vCPUs, a kernel with CONFIG_NUMA and the cgroup v2 cpu controller
-(numa.config, cgroup-cpu.config), no balloon (every order open to
+(both in x86_64.config), no balloon (every order open to
 pre-zeroing). The memory the guest booted with is free and not known to be
 zero: each node's thread has its node's share to clear.
 """
@@ -23,7 +23,6 @@ pytestmark = [
 
 SMP = 2
 NODE_MIB = 512
-FRAGMENTS = ("numa.config", "cgroup-cpu.config")
 NODE_DIR = "/sys/devices/system/node"
 CGROUP = "/sys/fs/cgroup"
 
@@ -79,7 +78,7 @@ def nodevm(lines: list[str], mark: str) -> dict[int, dict[str, int]]:
 def boot_nodes(lab, name: str, script: str, nodes: int, cmdline: tuple[str, ...] = ()):
     """Two vCPUs, one on each of the first two nodes; nodes past those have
     memory only."""
-    ctx = lab.context("qemu", patched=True, extra_fragments=FRAGMENTS)
+    ctx = lab.context("qemu", patched=True)
     return lab.boot(ctx, name, script, lab.BARE, mem_mib=nodes * NODE_MIB, smp=SMP,
                     numa_nodes=nodes, cmdline=cmdline, timeout_s=480)
 
