@@ -83,7 +83,8 @@ def io_functions(p: ReclaimIoParams, disk_dir: str = IO_DISK_DIR,
                         f" && rm {tmpfs_dir}/write"),
     }
     lines = [
-        "traffic() { awk '$1 ~ /^pgalloc_/ || $1 == \"pgfree\" {s += $2} END {print s}' "
+        # %.0f: awk prints a sum past 2^31 as 2.28244e+09, which $(( )) refuses
+        "traffic() { awk '$1 ~ /^pgalloc_/ || $1 == \"pgfree\" {s += $2} END {printf \"%.0f\\n\", s}' "
         "/proc/vmstat; }",
         "now() { cut -d' ' -f1 /proc/uptime; }",
         # worker NAME PERIOD CMD: CMD every PERIOD s from its start (on a
