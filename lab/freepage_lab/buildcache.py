@@ -50,12 +50,19 @@ def ccache_env() -> dict[str, str] | None:
 
     Every series edit gives a new source tree; ccache turns the rebuild
     into recompiling only what the patches really changed.
+
+    Depend mode: a miss compiles once and takes the includes from the
+    compiler's dependency file (kbuild's -Wp,-MMD, meson's -MD), where
+    ccache's default runs the preprocessor a second time to hash its
+    output, which made a cold kernel build 40% slower than one without
+    ccache (UML: 261 s against 182 s). Hits are direct-mode hits, as
+    nearly all of them were before.
     """
     if shutil.which("ccache") is None:
         return None
     cache = paths.cache_dir()
     return {"CCACHE_DIR": str(cache / "ccache"), "CCACHE_BASEDIR": str(cache),
-            "CCACHE_NOHASHDIR": "1", "CCACHE_MAXSIZE": "8G"}
+            "CCACHE_NOHASHDIR": "1", "CCACHE_MAXSIZE": "8G", "CCACHE_DEPEND": "1"}
 
 
 Source = Callable[[], Path]
