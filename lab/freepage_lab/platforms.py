@@ -20,8 +20,6 @@ class Arch:
     name: str
     # the boot image, relative to the build directory
     image: str
-    # the make target the config fragments are merged onto
-    base_config: str
     # toolchain prefix of a cross build ("" = the host's gcc)
     cross_compile: str = ""
     # busybox-static from this Debian package ("" = the host's /bin/busybox)
@@ -43,12 +41,12 @@ class Arch:
 
 ARCHES: dict[str, Arch] = {a.name: a for a in (
     # platform/um: FP registers as large as the host's XSAVE area (AMX hosts)
-    Arch("um", "linux", "tinyconfig", device_init_opt_in=("virtio_balloon.device_init=1",),
+    Arch("um", "linux", device_init_opt_in=("virtio_balloon.device_init=1",),
          platform_series="platform/um"),
-    Arch("x86_64", "arch/x86/boot/bzImage", "tinyconfig",
+    Arch("x86_64", "arch/x86/boot/bzImage",
          device_init_opt_in=("virtio_balloon.device_init=1",)),
     # Debian's busybox-static:arm64 is not Multi-Arch: unpacked from the .deb
-    Arch("arm64", "arch/arm64/boot/Image", "tinyconfig", "aarch64-linux-gnu-",
+    Arch("arm64", "arch/arm64/boot/Image", "aarch64-linux-gnu-",
          "busybox-static:arm64", selftests=("kvm",)),
 )}
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import buildcache, kernel, kunit, paths, platforms
+from . import buildcache, kernel, kunit, paths
 from .shell import LabError, Shell, StageResult, timed
 
 ARCHES = ("um", "x86_64")
@@ -55,7 +55,7 @@ def _configure(shell: Shell, src: Path, out: Path, arch: str, first: bool) -> No
     spec = kernel.BuildSpec(arch)
     cenv = buildcache.ccache_env()
     if first:
-        base_target = platforms.arch(arch).base_config
+        base_target = kernel.BASE_CONFIG
         shell.run(kernel.make_argv(src, out, arch, base_target, ccache=cenv is not None), env=cenv,
                   log=out / "config.log", what=f"make {base_target}")
     shell.run([src / "scripts" / "kconfig" / "merge_config.sh", "-m", "-O", out,
