@@ -37,6 +37,14 @@ def test_the_guest_script_parses_and_runs_the_io_around_the_rounds():
     assert "held_passes" in script  # the series' counters, sampled
 
 
+def test_a_reporting_order_is_set_before_the_first_populate():
+    knob = "/sys/module/page_reporting/parameters/page_reporting_order"
+    assert not [ln for ln in io_script(ReclaimIoParams()).splitlines() if ln.endswith(f"> {knob}")]
+    lines = io_script(ReclaimIoParams(reporting_order=6)).splitlines()
+    first = next(i for i, ln in enumerate(lines) if "populate --mib" in ln)
+    assert lines.index(f"echo 6 > {knob}") < first
+
+
 def test_the_workload_keeps_its_rate_and_says_what_it_did(tmp_path):
     """The workers on the host for about two seconds at 8 MiB/s in all."""
     p = ReclaimIoParams(io_mib_s=8, io_chunk_mib=1)

@@ -74,6 +74,9 @@ class ReclaimParams:
     # free block of this order or above once (then restore the order), to
     # measure what the host still backs in smaller free blocks; -1: no probe
     probe_order: int = -1
+    # the smallest order reported (page_reporting_order), set before the
+    # first round, stock and series alike; -1: the driver's (pageblock order)
+    reporting_order: int = -1
     # series only: print the reporting counters every N ms through the
     # boot (a diagnostic: the sampler costs the guest some CPU); 0: off
     trace_ms: int = 0
@@ -90,6 +93,8 @@ def guest_script(p: ReclaimParams) -> str:
              thp("madvise")]
     if p.pcp_high_fraction:
         lines.append(pcp_high_fraction(p.pcp_high_fraction))
+    if p.reporting_order >= 0:
+        lines.append(f"echo {p.reporting_order} > {REPORTING_ORDER}")
     if p.trace_ms:
         lines += [reporting_snapshot(), reporting_tracer(p.trace_ms)]
     for i, mode in enumerate(rounds_of(p)):
