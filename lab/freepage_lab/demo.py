@@ -69,6 +69,10 @@ STEPS = (
     Step("free page reporting on UML + vhost-user-balloon (default per-cpu lists)",
          "reclaim", "uml", "own", {"modes": "4k", "mem_mib": "1024"},
          {"variants": "stock,freepage", "modes": "4k", "mem_mib": "1024", "repeat": "1"}),
+    Step("free page reporting in a Debian guest doing file I/O (a reader through the page "
+         "cache, disk and tmpfs writers; Debian 12 root on virtio-blk), stock and the series",
+         "reclaim-io", "qemu-debian", "own", {"variants": "stock,freepage"},
+         {"variants": "stock,freepage", "repeat": "1", "settle_s": "20"}),
     Step("free page reporting under churn: a 6 x 128 MiB allocate/free loop, reporting off, "
          "stock and the series (UML + vhost-user-balloon; host faults and guest time)",
          "churn", "uml", "own", {"churn_mib": "128", "iterations": "6"},
