@@ -27,6 +27,7 @@ for bad in abc 12x -1 "" 0x 99999999999999999999999; do
 	expect_refused cachewalk --kib --kib "$bad"
 	expect_refused hugefit --mib --mib "$bad" --ms 1
 	expect_refused hugefit --ms --mib 2 --ms "$bad"
+	expect_refused hugecow --pages --pages "$bad"
 	expect_refused fragment --mib --mib "$bad"
 	expect_refused fragment --seconds --mib 1 --seconds "$bad"
 	expect_refused fpkeep --rounds --rounds "$bad"
@@ -42,7 +43,7 @@ expect_refused pagefault --seconds --mib 1 --seconds 2.5
 expect_refused fragment --sleep-ms --mib 1 --sleep-ms 1e2
 expect_refused reuse --seconds --mib 1 --seconds nan
 # an option no program has, and an option without its value
-for prog in populate churn dirty pagefault cachewalk hugefit fragment reuse fpkeep; do
+for prog in populate churn dirty pagefault cachewalk hugefit hugecow fragment reuse fpkeep; do
 	expect_refused $prog --bogus --bogus 1
 done
 expect_refused populate --mib --mib

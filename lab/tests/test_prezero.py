@@ -177,6 +177,52 @@ def test_hugetlb_pool_is_prezeroed_and_verified_zero_on_qemu(lab):
 
 IDLE_S = 10
 
+COW_POOL = 3  # folios: two for the faults, one the copy-on-write may take
+
+
+def hugetlb_cow_script() -> str:
+    return f"""{shell_helpers(3)}
+[ -d {PREZERO_DIR} ] || {{ echo 'no {PREZERO_DIR}' >&2; exit 3; }}
+echo {COW_POOL} > /proc/sys/vm/nr_hugepages
+[ "$(cat /proc/sys/vm/nr_hugepages)" = {COW_POOL} ] || {{ echo 'no huge pages' >&2; exit 4; }}
+populate --mib {COW_POOL * 2} --mode hugetlb --fill 0xa5 --tag dirty
+echo 100 > {PREZERO_DIR}/cpu_percent
+echo {MAX_ORDER} > {PREZERO_DIR}/min_order
+echo 1 > {PREZERO_DIR}/enabled
+prezero_wait 120 all
+echo 0 > {PREZERO_DIR}/enabled
+ev warm all
+hugecow --pages 2
+ev used all
+echo 1 > {PREZERO_DIR}/enabled
+prezero_wait 120 all
+ev rewarm all
+echo 0 > {PREZERO_DIR}/enabled
+"""
+
+
+def test_hugetlb_copy_on_write_leaves_zero_folios_to_faults_on_qemu(lab):
+    """A copy-on-write overwrites the folio it takes, so it must not take a
+    known zero one while the pool has another: the zero folios are for the
+    faults, fallocate and memfd, which clear. A pool of three pre-zeroed
+    folios; two faults take two zero ones, one of them goes back dirty,
+    then a child's copy-on-write takes a third. Taking the dirty one leaves
+    the pool one zero folio: pre-zeroing then clears two folios, not three.
+
+    When dequeue preferred known zero folios for every caller, the
+    copy-on-write took the last zero folio and pre-zeroing cleared all
+    three (3 x 512 pages)."""
+    ctx = lab.context("qemu", patched=True)
+    booted = lab.boot(ctx, "prezero-hugecow", hugetlb_cow_script(), lab.PLAIN, mem_mib=1024)
+    cow = booted.records("hugecow")
+    assert len(cow) == 1 and cow[0]["ok"], (cow, booted.lines[-20:])
+    events = parse_events(booted.lines)
+    assert delta(events, "all", "warm", "used")["pgzero_prezero_hugetlb"] == 0, events
+    rewarm = delta(events, "all", "used", "rewarm")
+    assert rewarm["pgzero_prezero_hugetlb"] == 2 * 512, \
+        f"pre-zeroing cleared {rewarm['pgzero_prezero_hugetlb'] // 512} folios after the " \
+        "copy-on-write: it took a known zero folio"
+
 
 def test_idle_thread_does_not_rescan_unchanged_free_lists(lab):
     """Once kprezerod has nothing left to clear, it must not walk the free
