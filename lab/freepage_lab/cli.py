@@ -161,15 +161,23 @@ def cmd_run(args: argparse.Namespace, shell: Shell) -> int:
     return 0
 
 
+def trace_kernels(patches: Sequence[str]) -> list[tuple[str, bool, tuple[str, ...]]]:
+    """What `freepage trace` compares: stock, the series, and the series with
+    each test-only patch of `patches` (label, patched, extra patches)."""
+    return [("stock", False, ()), ("series", True, ()),
+            *((f"series+{Path(p).stem}", True, (p,)) for p in patches)]
+
+
 def cmd_trace(args: argparse.Namespace, shell: Shell) -> int:
     ctx = RunContext.create(shell, "trace-qemu", platform="qemu", accel="tcg",
                             extra_fragments=("bench.config",))
+    kernels = trace_kernels(args.patch)
     if args.loop == "fault":
-        return trace_fault_loop(ctx, shell)
+        return trace_fault_loop(ctx, shell, kernels)
     initrd = ctx.initrd("trace", insntrace.GUEST_SCRIPT)
     results: dict[str, insntrace.Iteration] = {}
-    for label, patched in (("stock", False), ("series", True)):
-        image = ctx.kernel(patched=patched, extra_patches=(BENCH_PATCH,))
+    for label, patched, extra in kernels:
+        image = ctx.kernel(patched=patched, extra_patches=(BENCH_PATCH, *extra))
         build_dir = image.parents[3]
         pcs = insntrace.trace_kernel(shell, build_dir, initrd, ctx.run_dir / label,
                                      steps=args.steps)
@@ -224,15 +232,16 @@ def cmd_compare(args: argparse.Namespace, shell: Shell) -> int:
     return 0
 
 
-def trace_fault_loop(ctx: RunContext, shell: Shell) -> int:
+def trace_fault_loop(ctx: RunContext, shell: Shell,
+                     kernels: Sequence[tuple[str, bool, tuple[str, ...]]]) -> int:
     """Instructions per page fault of the churn loop, per function, stock
     against the series (benchmark kernels, QEMU TCG with a counting plugin)."""
     plugin = insntrace.build_plugin(shell)
     short, long = insntrace.FAULT_LOOPS
     initrds = {n: ctx.initrd(f"fault-{n}", insntrace.fault_script(n)) for n in (short, long)}
     results: dict[str, dict[str, float]] = {}
-    for label, patched in (("stock", False), ("series", True)):
-        build_dir = ctx.kernel(patched=patched).parents[3]
+    for label, patched, extra in kernels:
+        build_dir = ctx.kernel(patched=patched, extra_patches=extra).parents[3]
         counted = {n: insntrace.count_blocks(shell, build_dir, initrds[n], plugin,
                                              ctx.run_dir / f"{label}-{n}")
                    for n in (short, long)}
@@ -417,6 +426,9 @@ def parser() -> argparse.ArgumentParser:
                    help="fastpath: one order-0 alloc+free of the benchmark loop, single-"
                    "stepped with gdb; fault: a 512 MiB mmap/write/munmap loop, counted by "
                    "a QEMU plugin, per page fault")
+    t.add_argument("--patch", action="append", default=[], metavar="NAME",
+                   help="also trace the series with the test-only kernel/bench/NAME "
+                   "(repeatable), e.g. pcp-list.patch")
     t.add_argument("--steps", type=int, default=3000,
                    help="fastpath: instructions to single-step (several iterations must fit)")
     t.set_defaults(func=cmd_trace)

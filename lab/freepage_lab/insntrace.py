@@ -224,14 +224,15 @@ def table(results: dict[str, Iteration]) -> str:
     for it in results.values():
         names += [n for n in it.functions if n not in names]
     width = max([len(n) for n in names] + [8])
-    head = f"{'function':{width}s} " + " ".join(f"{lb:>10s}" for lb in labels)
+    col = max([10, *(len(lb) for lb in labels)])
+    head = f"{'function':{width}s} " + " ".join(f"{lb:>{col}s}" for lb in labels)
     if len(labels) > 1:
         head += f" {'diff':>6s}"
     lines = [head]
     for n in names + ["total"]:
         vals = [it.total if n == "total" else it.functions.get(n, 0)
                 for it in results.values()]
-        row = f"{n:{width}s} " + " ".join(f"{v:10d}" for v in vals)
+        row = f"{n:{width}s} " + " ".join(f"{v:{col}d}" for v in vals)
         if len(vals) > 1:
             row += f" {vals[-1] - vals[0]:+6d}"
         lines.append(row)
@@ -357,11 +358,12 @@ def fault_table(results: dict[str, dict[str, float]], top: int = 25) -> str:
                    key=lambda n: -abs(results[labels[-1]].get(n, 0.0)
                                       - results[labels[0]].get(n, 0.0)))
     width = max([len(n) for n in names[:top]] + [8])
-    lines = [f"{'function':{width}s} " + " ".join(f"{lb:>10s}" for lb in labels)
+    col = max([10, *(len(lb) for lb in labels)])
+    lines = [f"{'function':{width}s} " + " ".join(f"{lb:>{col}s}" for lb in labels)
              + (f" {'diff':>8s}" if len(labels) > 1 else "")]
     for n in [*names[:top], "total"]:
         vals = [sum(r.values()) if n == "total" else r.get(n, 0.0) for r in results.values()]
-        row = f"{n:{width}s} " + " ".join(f"{v:10.1f}" for v in vals)
+        row = f"{n:{width}s} " + " ".join(f"{v:{col}.1f}" for v in vals)
         if len(vals) > 1:
             row += f" {vals[-1] - vals[0]:+8.1f}"
         lines.append(row)

@@ -8,11 +8,12 @@ scenario runs up to its first boot's checks without a kernel.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from freepage_lab import harness, scenarios
+from freepage_lab import harness, paths, scenarios
 from freepage_lab.backend import BalloonBackend
 from freepage_lab.context import RunContext
 from freepage_lab.guest import Guest, GuestError
@@ -121,6 +122,15 @@ def test_every_family_names_distinct_variants_and_pick_refuses_strangers():
     assert [v.name for v in harness.pick("x", "zeroing", ["on", "vanilla"])] == ["on", "vanilla"]
     with pytest.raises(Exception, match="unknown variants \\['nope'\\]"):
         harness.pick("x", "zeroing", ["on", "nope"])
+
+
+def test_the_per_cpu_list_variants_are_on_with_their_bench_patch():
+    family = harness.family("zeroing")
+    for name in ("pcp-drop", "pcp-list"):
+        v = family[name]
+        assert v.extra_patches == (f"{name}.patch",), v
+        assert replace(v, name="on", extra_patches=()) == family["on"]
+        assert (paths.REPO / "kernel" / "bench" / v.extra_patches[0]).is_file()
 
 
 def test_boot_order_abba_and_rotation():

@@ -133,3 +133,23 @@ def test_fault_trace_dry_run_builds_the_plugin_and_boots_each_kernel_twice(
     assert len(boots) == 4 and all("libblockcount.so,out=" in b and "nokaslr" in b
                                    and "-icount shift=0" in b for b in boots)
     assert "page-zeroed-bench.patch" not in err
+
+
+def test_fault_trace_with_a_bench_patch_boots_a_third_kernel_that_has_it(
+        capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path / "cache"))
+    assert cli.main(["--dry-run", "trace", "--loop", "fault", "--patch", "pcp-list.patch"]) == 0
+    err = capsys.readouterr().err
+    boots = [line for line in err.splitlines() if line.startswith("$ qemu-system-x86_64")]
+    assert len(boots) == 6
+    assert "pcp-list.patch" in err and "+pcp-list" in boots[-1] and "+pcp-list" not in boots[0]
+
+
+def test_tables_widen_their_columns_for_long_labels():
+    it = insntrace.Iteration(7, {"f": 7})
+    rows = insntrace.table({"stock": it, "series+pcp-list": it}).splitlines()
+    assert rows[0].split() == ["function", "stock", "series+pcp-list", "diff"]
+    assert len({len(r) for r in rows}) == 1, rows
+    rows = insntrace.fault_table({"stock": {"f": 1.0}, "series+pcp-drop": {"f": 2.0}}).splitlines()
+    assert len({len(r) for r in rows}) == 1, rows
