@@ -223,6 +223,9 @@ DEFLATE_POLLS = {
 # `make test` runs both: the busy guest is the case merges used to cost up to
 # 55% in; FREEPAGE_DEFLATE_POLLS=busy (or quiet) runs one
 RUN_POLLS = os.environ.get("FREEPAGE_DEFLATE_POLLS", "quiet,busy").split(",")
+# FREEPAGE_DEFLATE_PATCH=<kernel/bench patch> runs it on the series with that
+# test-only patch (pcp-drop.patch, pcp-list.patch: the per-cpu lists' designs)
+DEFLATE_PATCH = os.environ.get("FREEPAGE_DEFLATE_PATCH", "")
 
 
 @pytest.mark.parametrize("poll", RUN_POLLS)
@@ -275,7 +278,8 @@ populate --mib $((free_mib - 24)) --mode 4k --verify --tag measure
 echo "{EVENT} populated $({vmstat})"
 """
     # the daemon offers bit 7 and does not report
-    variant = harness.Variant("deflate", reporting=False, zeroing=None)
+    variant = harness.Variant("deflate", reporting=False, zeroing=None,
+                              extra_patches=(DEFLATE_PATCH,) if DEFLATE_PATCH else ())
     with lab.start(ctx, "deflate", script, variant, mem_mib=512) as run:
         g, backend = run.guest, run.backend
         assert backend is not None
