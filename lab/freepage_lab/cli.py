@@ -234,8 +234,9 @@ def cmd_compare(args: argparse.Namespace, shell: Shell) -> int:
 
 def trace_fault_loop(ctx: RunContext, shell: Shell,
                      kernels: Sequence[tuple[str, bool, tuple[str, ...]]]) -> int:
-    """Instructions per page fault of the churn loop, per function, stock
-    against the series (benchmark kernels, QEMU TCG with a counting plugin)."""
+    """Instructions per page fault of the churn loop, per function, of
+    `kernels` (trace_kernels: stock, the series, the series with bench
+    patches; benchmark kernels, QEMU TCG with a counting plugin)."""
     plugin = insntrace.build_plugin(shell)
     short, long = insntrace.FAULT_LOOPS
     initrds = {n: ctx.initrd(f"fault-{n}", insntrace.fault_script(n)) for n in (short, long)}
