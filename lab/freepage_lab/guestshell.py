@@ -26,6 +26,17 @@ REPORTING_COUNTERS = ("passes", "time_us", "reported_pages", "reused_pages", "pc
 # a line per counter at the end of a boot (reported_pages: one number per order)
 COUNTER_TAG = "REPORTING-COUNTER"
 
+# -- zeroed free page tracking ---------------------------------------------------
+
+# the series' counters (pgzero_*), "name value" lines as in /proc/vmstat, in
+# debugfs while the design settles
+ZEROED_STAT = "/sys/kernel/debug/page_zeroed/stat"
+# pre-zeroing's counters of one node (pgzero_prezero_cleared, _remote)
+ZEROED_NODE_STAT = "/sys/kernel/debug/page_zeroed/node{nid}"
+# /proc/vmstat followed by the series' counters, as one stream to pipe into
+# grep or awk (only /proc/vmstat on a stock kernel)
+VMSTAT_ALL = f"{{ cat /proc/vmstat; cat {ZEROED_STAT} 2>/dev/null || true; }}"
+
 # -- the balloon ------------------------------------------------------------------
 
 # VIRTIO_BALLOON_F_DEVICE_INIT_REPORTED: proposed to the virtio TC
@@ -144,8 +155,9 @@ def reporting_counters() -> str:
 
 
 def vmstat_save(counters: tuple[str, ...], to: str) -> str:
-    """Save the /proc/vmstat lines of `counters` to a file."""
-    return f"grep -E '^({'|'.join(counters)}) ' /proc/vmstat > {to} || true"
+    """Save the lines of `counters` (/proc/vmstat and the series' counters)
+    to a file."""
+    return f"{VMSTAT_ALL} | grep -E '^({'|'.join(counters)}) ' > {to} || true"
 
 
 def vmstat_delta(extra: str = "", before: str = "/tmp/v0", after: str = "/tmp/v1") -> str:
@@ -181,15 +193,15 @@ def prezero_helpers(stable_s: int = 3) -> str:
     idle time), prints "<EVENT> waited <mode> seconds <n>".
     """
     counters = "|".join(PREZERO_COUNTERS)
-    return f"""vm() {{ grep -E '^({counters}) ' /proc/vmstat | tr '\\n' ' '; }}
+    return f"""vm() {{ {VMSTAT_ALL} | grep -E '^({counters}) ' | tr '\\n' ' '; }}
 ev() {{ echo "{EVENT} $1 $2 $(vm)"; }}
 knob() {{ if [ -w {PREZERO_DIR}/$1 ]; then echo $2 > {PREZERO_DIR}/$1; fi; }}
 prezero_wait() {{
 \tprev=-1; stable=0; waited=0
 \twhile [ $stable -lt {stable_s} ] && [ $waited -lt $1 ]; do
 \t\tsleep 1; waited=$((waited + 1))
-\t\tcur=$(awk '/^pgzero_(marked_prezero|prezero_hugetlb) /{{s += $2}} END{{print s + 0}}' \\
-\t\t\t/proc/vmstat)
+\t\tcur=$({VMSTAT_ALL} | \\
+\t\t\tawk '/^pgzero_(marked_prezero|prezero_hugetlb) /{{s += $2}} END{{print s + 0}}')
 \t\tif [ $((cur - prev)) -lt {SETTLED_PAGES_PER_S} ]; then stable=$((stable + 1))
 \t\telse stable=0; fi
 \t\tprev=$cur

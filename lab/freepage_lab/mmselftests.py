@@ -241,8 +241,8 @@ def guest_script(tests: Sequence[Test], setup: str = "") -> str:
         if t.after:
             lines.append(t.after)
     # what pre-zeroing did meanwhile (the series' counters; none on stock)
-    lines.append(f"echo \"{VMSTAT} $(grep -E '^({'|'.join(VMSTAT_COUNTERS)}) ' /proc/vmstat "
-                 "| tr '\\n' ' ')\"")
+    lines.append(f"echo \"{VMSTAT} $({guestshell.VMSTAT_ALL} | "
+                 f"grep -E '^({'|'.join(VMSTAT_COUNTERS)}) ' | tr '\\n' ' ')\"")
     return "\n".join(line for line in lines if line) + "\n"
 
 

@@ -85,7 +85,7 @@ def gigantic_rounds(lab, name: str, cmdline: tuple[str, ...]):
     ctx = lab.context("qemu", patched=True)
     h = "/sys/kernel/mm/hugepages/hugepages-1048576kB"
     script = f"""[ -d {h} ] || {{ echo 'no 1 GiB huge page size' >&2; exit 3; }}
-vm() {{ awk -v k="$1" '$1 == k {{ print $2 }}' /proc/vmstat; }}
+vm() {{ awk -v k="$1" '$1 == k {{ print $2 }}' {guestshell.ZEROED_STAT}; }}
 for round in 1 2; do
   skipped=$(vm pgzero_skipped); missed=$(vm pgzero_missed); failed=$(vm pgzero_verify_failed)
   # a range can be busy for a moment (pages on their way to the free lists)
@@ -101,7 +101,7 @@ for round in 1 2; do
   echo "gigantic-zero $round $skipped $missed $(( $(vm pgzero_verify_failed) - failed ))"
   echo 0 > {h}/nr_hugepages
 done
-grep -E '^pgzero_' /proc/vmstat
+cat {guestshell.ZEROED_STAT}
 """
     booted = lab.boot(ctx, name, script, lab.BARE, mem_mib=3072,
                       cmdline=("init_on_free=1", *cmdline))
@@ -209,13 +209,14 @@ def test_reported_memory_reads_zero_and_zeroing_is_skipped(lab, platform):
 # How the guest polls pgzero_marked_freed while it waits for the inflate and
 # the deflate (at most 150 s): with shell builtins every 500 ms, or with awk
 # every 100 ms, a fork every 100 ms like a busy guest. The builtin `read`
-# takes /proc/vmstat a byte at a time: one poll is thousands of system calls
+# takes the counters file a byte at a time: one poll is many system calls
 # (70 ms or more) and the balloon's work runs between them; the host
 # inflates and deflates the test's 64 MiB in about 0.12 s.
 DEFLATE_POLLS = {
     "quiet": ("marked() { while read -r k v; do [ \"$k\" = pgzero_marked_freed ] && return; "
-              "done < /proc/vmstat; }", "0.5"),
-    "busy": ("marked() { v=$(awk '$1 == \"pgzero_marked_freed\" {print $2}' /proc/vmstat); }",
+              f"done < {guestshell.ZEROED_STAT}; }}", "0.5"),
+    "busy": ("marked() { v=$(awk '$1 == \"pgzero_marked_freed\" {print $2}' "
+             f"{guestshell.ZEROED_STAT}); }}",
              "0.1"),
 }
 
@@ -254,7 +255,7 @@ def test_deflated_pages_are_known_zero_under_bit_7(lab, poll):
     ctx = lab.context("uml", patched=True, variant="debug")
     pages = 16384  # 64 MiB
     vmstat = ("grep -E '^pgzero_(marked_freed|merge_lost|skipped|missed|verify_failed) '"
-              " /proc/vmstat | tr '\\n' ' '")
+              f" {guestshell.ZEROED_STAT} | tr '\\n' ' '")
     poll_fn, interval = DEFLATE_POLLS[poll]
     # The count the wait starts from is taken before the host hears that the
     # guest is ready: a count taken after could already hold the deflate
@@ -373,7 +374,7 @@ def test_rt_kernel_runs_the_series_without_a_splat(lab):
         guestshell.flush_cmd(),
         "populate --mib 256 --mode 4k --verify --tag again",
         "sleep 3",
-        "grep -E '^pgzero_(skipped|marked_reported|prezero_cleared) ' /proc/vmstat",
+        f"grep -E '^pgzero_(skipped|marked_reported|prezero_cleared) ' {guestshell.ZEROED_STAT}",
     ]) + "\n"
     booted = lab.boot(ctx, "rt", script, harness.Variant("rt", zeroing=True), mem_mib=1024,
                       smp=2, cmdline=("loglevel=7",), timeout_s=900)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from freepage_lab import kernel, kunit
-from freepage_lab.guestshell import PREZERO_DIR
+from freepage_lab.guestshell import PREZERO_DIR, ZEROED_NODE_STAT
 from freepage_lab.guestshell import prezero_helpers as shell_helpers
 from freepage_lab.initramfs import EVENT
 
@@ -45,7 +45,7 @@ nodevm() {{
 \tfor n in {nodes}; do
 \t\techo "{EVENT} nodevm $1 $n \\
 $(awk '$3 == "MemFree:" {{print "memfree_kb", $4}}' {NODE_DIR}/node$n/meminfo) \\
-$(grep -E '^pgzero_prezero_(cleared|remote) ' {NODE_DIR}/node$n/vmstat | tr '\\n' ' ')"
+$(grep -E '^pgzero_prezero_(cleared|remote) ' {ZEROED_NODE_STAT.format(nid='$n')} | tr '\\n' ' ')"
 \tdone
 }}
 for n in {nodes}; do echo "{EVENT} nodecpus $n $(cat {NODE_DIR}/node$n/cpulist)"; done

@@ -94,7 +94,7 @@ VHOST_USER_TARGET_PAGES = 2048
 
 
 def vmstat(name: str) -> str:
-    return f"awk '/^{name} /{{print $2}}' /proc/vmstat"
+    return f"awk '/^{name} /{{print $2}}' {guestshell.ZEROED_STAT}"
 
 
 def guest_script(report: bool = True) -> str:
@@ -132,7 +132,7 @@ def guest_script(report: bool = True) -> str:
         # exit 1 = non-zero bytes: the host reads the count from the JSON line
         f"populate --mib {VERIFY_MIB} --mode 4k --verify --tag dst-4k || [ $? -eq 1 ]",
         f"populate --mib {VERIFY_MIB} --mode thp --verify --tag dst-thp || [ $? -eq 1 ]",
-        f"echo \"{EVENT} vmstat $(grep -E '^pgzero_' /proc/vmstat | tr ' \\n' '= ')\"",
+        f"echo \"{EVENT} vmstat $(grep -E '^pgzero_' {guestshell.ZEROED_STAT} | tr ' \\n' '= ')\"",
         # warnings print below the console's loglevel: show them from the log
         f"dmesg | grep -E 'WARNING:|BUG:|page_zeroed:' | sed 's/^/{DMESG} /' || true",
     ]) + "\n"

@@ -82,7 +82,7 @@ echo "{EVENT} features {guestshell.BALLOON_FEATURES}"
 {guestshell.require_prezero("stale-hunt")}
 echo 50 > {prezero}/cpu_percent
 echo 1 > {prezero}/enabled
-vm() {{ grep -E '^({counters}) ' /proc/vmstat | tr '\\n' ' '; }}
+vm() {{ {guestshell.VMSTAT_ALL} | grep -E '^({counters}) ' | tr '\\n' ' '; }}
 up() {{ read -r u _ < /proc/uptime; echo "${{u%.*}}"; }}
 balloon() {{ awk '/^balloon_inflate /{{i=$2}} /^balloon_deflate /{{d=$2}} END{{print i - d}}' \\
 \t/proc/vmstat; }}

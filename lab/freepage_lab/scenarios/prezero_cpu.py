@@ -25,7 +25,7 @@ from typing import Any
 
 from .. import harness
 from ..context import RunContext
-from ..guestshell import PREZERO_DIR, kcpu_function, kcpu_snapshot, require_prezero
+from ..guestshell import PREZERO_DIR, VMSTAT_ALL, kcpu_function, kcpu_snapshot, require_prezero
 from ..initramfs import EVENT
 from ..shell import LabError
 from ..stats import summarise
@@ -57,7 +57,7 @@ def check_params(p: PrezeroCpuParams) -> None:
 
 def guest_script(p: PrezeroCpuParams) -> str:
     rest = (" uptime_ms $(awk '{printf \"%d\", $1 * 1000}' /proc/uptime) marked "
-            "$(awk '/^pgzero_marked_prezero /{print $2}' /proc/vmstat)\"")
+            f"$({VMSTAT_ALL} | awk '/^pgzero_marked_prezero /{{print $2}}')\"")
     lines = [kcpu_function(),
              require_prezero("prezero_cpu")]
     for rep in range(p.repeat):

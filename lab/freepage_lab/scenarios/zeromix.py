@@ -48,8 +48,9 @@ POINTS = ("start", "populate", "populated", "end")
 
 # snap CYCLE POINT: one JSON line with the pgzero_* counters and nr_free_pages
 SNAPSHOT_FUNCTION = r"""snap() {
-	awk -v c="$1" -v at="$2" '/^(pgzero_[a-z_]+|nr_free_pages) / { s = s sprintf(",\"%s\":%s", $1, $2) }
-	END { printf "{\"prog\":\"vmstat\",\"cycle\":%d,\"at\":\"%s\"%s}\n", c, at, s }' /proc/vmstat
+	""" + guestshell.VMSTAT_ALL + r""" | awk -v c="$1" -v at="$2" \
+	'/^(pgzero_[a-z_]+|nr_free_pages) / { s = s sprintf(",\"%s\":%s", $1, $2) }
+	END { printf "{\"prog\":\"vmstat\",\"cycle\":%d,\"at\":\"%s\"%s}\n", c, at, s }'
 }"""
 
 
@@ -175,8 +176,8 @@ def parse_console(lines: Iterable[str]) -> Boot:
         if r["prog"] == "vmstat":
             missing = [c for c in COUNTERS if c not in r]
             if missing:
-                raise LabError(f"zeromix: /proc/vmstat has no {', '.join(missing)} "
-                               "(not the patched series?)")
+                raise LabError(f"zeromix: the guest has no {', '.join(missing)} "
+                               f"({guestshell.ZEROED_STAT}: not the patched series?)")
             snaps[(r["cycle"], r["at"])] = {k: v for k, v in r.items() if isinstance(v, int)}
     pops = {r["tag"]: r for r in records if r["prog"] == "populate"}
     cycles = []
