@@ -37,6 +37,11 @@ ZEROED_NODE_STAT = "/sys/kernel/debug/page_zeroed/node{nid}"
 # grep or awk (only /proc/vmstat on a stock kernel)
 VMSTAT_ALL = f"{{ cat /proc/vmstat; cat {ZEROED_STAT} 2>/dev/null || true; }}"
 
+
+def zeroed_counter(name: str) -> str:
+    """A command that prints the value of the series' counter `name`."""
+    return f"awk '/^{name} /{{print $2}}' {ZEROED_STAT}"
+
 # -- the balloon ------------------------------------------------------------------
 
 # VIRTIO_BALLOON_F_DEVICE_INIT_REPORTED: proposed to the virtio TC

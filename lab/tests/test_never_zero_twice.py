@@ -209,8 +209,8 @@ def test_reported_memory_reads_zero_and_zeroing_is_skipped(lab, platform):
 # How the guest polls pgzero_marked_freed while it waits for the inflate and
 # the deflate (at most 150 s): with shell builtins every 500 ms, or with awk
 # every 100 ms, a fork every 100 ms like a busy guest. The builtin `read`
-# takes the counters file a byte at a time: one poll is many system calls
-# (70 ms or more) and the balloon's work runs between them; the host
+# takes the counters file a byte at a time (70 ms or more per poll when the
+# counters were in /proc/vmstat) and the balloon's work runs between them; the host
 # inflates and deflates the test's 64 MiB in about 0.12 s.
 DEFLATE_POLLS = {
     "quiet": ("marked() { while read -r k v; do [ \"$k\" = pgzero_marked_freed ] && return; "

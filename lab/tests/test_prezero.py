@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from freepage_lab import kernel, kunit
-from freepage_lab.guestshell import PREZERO_DIR, ZEROED_STAT
+from freepage_lab.guestshell import PREZERO_DIR, zeroed_counter
 from freepage_lab.guestshell import prezero_helpers as shell_helpers
 from freepage_lab.harness import kernel_warnings as warnings_in
 from freepage_lab.initramfs import EVENT
@@ -234,8 +234,8 @@ def test_idle_thread_does_not_rescan_unchanged_free_lists(lab):
     Now only a change (here: the exit of the `sleep` and `awk` processes of
     the script itself) starts a scan.
     """
-    scans = f"awk '/^pgzero_prezero_scans /{{print $2}}' {ZEROED_STAT}"
-    marked = f"awk '/^pgzero_marked_prezero /{{print $2}}' {ZEROED_STAT}"
+    scans = zeroed_counter("pgzero_prezero_scans")
+    marked = zeroed_counter("pgzero_marked_prezero")
     script = f"""{shell_helpers(3)}
 [ -d {PREZERO_DIR} ] || {{ echo 'no {PREZERO_DIR}' >&2; exit 3; }}
 echo 1 > {PREZERO_DIR}/enabled

@@ -93,8 +93,7 @@ CHURN_MIB = 8
 VHOST_USER_TARGET_PAGES = 2048
 
 
-def vmstat(name: str) -> str:
-    return f"awk '/^{name} /{{print $2}}' {guestshell.ZEROED_STAT}"
+vmstat = guestshell.zeroed_counter
 
 
 def guest_script(report: bool = True) -> str:
