@@ -181,13 +181,43 @@ def test_build_each_waits_for_another_build_each_before_it_clears_the_tree(tmp_p
     assert cleared.is_set() and errors == ["stopped before copying the base tree"]
 
 
-def test_a_report_drops_the_zero_mark_from_the_patch_that_keeps_it_across_isolation():
-    """The first never-zero-twice patch has __isolate_free_page() keep the
-    zero mark, so page reporting sees marked blocks from there on; a report
-    the device has not vouched for must drop the mark in the same patch,
-    not in a later one (a bisect would otherwise land on kernels that hand
-    out memory the host may have replaced as zero)."""
+def test_a_report_drops_the_zero_mark_in_the_patch_that_tracks_it():
+    """The first never-zero-twice patch tracks the zero state of free
+    blocks, so page reporting isolates known zero blocks from there on; a
+    report the device has not vouched for must not put one back as zero,
+    in the same patch, not a later one (a bisect would otherwise land on
+    kernels that hand out memory the host may have replaced as zero).
+    Reporting isolates without taking the state (NULL) and puts back as
+    not zero."""
     first = patchqueue.Series.load(kernel.QUEUES["never-zero-twice"].patch_dir).files[0]
-    drain = added_and_removed(first).get("mm/page_reporting.c", ([], []))[0]
-    assert any("page_zeroed_take(page);" in line for line in drain), \
-        f"{first.name} keeps the zero mark across isolation, and no report drops it"
+    added = added_and_removed(first).get("mm/page_reporting.c", ([], []))[0]
+    text = "\n".join(added)
+    assert "__isolate_free_page(page, order, NULL)" in text, \
+        f"{first.name} does not say how reporting's isolation treats the zero state"
+    assert re.search(r"__putback_isolated_page\(page, order, mt,\s*false\)", text), \
+        f"{first.name} puts a reported block back without saying it is not zero"
+
+
+# what the zeroed state of free pages must not be built on (the reviewers'
+# design: the state on PageBuddy heads and PCP zero lists, no page flag
+# outside PageBuddy, no allocation entry point of its own)
+REFUSED_SHAPES = (
+    (r"PG_zeroed\s*=\s*PG_", "a page flag alias for the zeroed state"),
+    (r"\b__alloc_pages_zeroed\b", "an allocation entry point of its own"),
+    (r"\b__folio_alloc_zeroed\b", "an allocation entry point of its own"),
+    (r"\bvma_alloc_folio_zeroed\b", "an allocation entry point of its own"),
+    (r"\bcheck_new_page\(struct page \*page,", "an exemption in check_new_page()"),
+)
+
+
+def test_the_zeroed_state_has_the_shape_the_reviewers_asked_for():
+    added = []
+    for name in ("never-zero-twice", "prezero"):
+        for patch in kernel.Series.load(kernel.QUEUES[name].patch_dir).files:
+            for path, (plus, _) in added_and_removed(patch).items():
+                added += [(patch.name, path, ln) for ln in plus if is_code(ln)]
+    for pattern, what in REFUSED_SHAPES:
+        found = [(p, f, ln.strip()) for p, f, ln in added if re.search(pattern, ln)]
+        assert not found, f"{what}: {found}"
+    assert any(re.search(r"#define FPI_ZEROED\b", ln) for _, _, ln in added), \
+        "no FPI_ZEROED: frees and putbacks do not carry the state"
