@@ -429,7 +429,7 @@ def parser() -> argparse.ArgumentParser:
                    "a QEMU plugin, per page fault")
     t.add_argument("--patch", action="append", default=[], metavar="NAME",
                    help="also trace the series with the test-only kernel/bench/NAME "
-                   "(repeatable), e.g. pcp-list.patch")
+                   "(repeatable), e.g. pcp-drop.patch")
     t.add_argument("--steps", type=int, default=3000,
                    help="fastpath: instructions to single-step (several iterations must fit)")
     t.set_defaults(func=cmd_trace)

@@ -78,9 +78,8 @@ class Variant:
 STOCK250_PATCH = "stock-delay-250ms.patch"
 LIMIT_PATCH = "unsafe-no-user-page-zeroing.patch"
 POLICY_PATCH = "zero-first-reported.patch"
-# the zeroed state on the per-cpu lists: dropped there, or zero sublists
+# the series without its per-cpu zero lists: the zeroed state dropped there
 PCP_DROP_PATCH = "pcp-drop.patch"
-PCP_LIST_PATCH = "pcp-list.patch"
 
 # the run context's kernel and device (--vanilla, --patched-qemu)
 CONTEXT = Variant("context", zeroing=None)
@@ -110,7 +109,6 @@ def zeroing_variants(on: dict[str, Any], **host: Any) -> tuple[Variant, ...]:
         # "on" with the per-cpu lists changed (kernel/bench/): the state
         # dropped there, or kept as membership of zero sublists
         Variant("pcp-drop", patched=True, extra_patches=(PCP_DROP_PATCH,), **{**host, **on}),
-        Variant("pcp-list", patched=True, extra_patches=(PCP_LIST_PATCH,), **{**host, **on}),
     )
 
 

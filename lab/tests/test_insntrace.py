@@ -139,11 +139,11 @@ def test_fault_trace_with_a_bench_patch_boots_a_third_kernel_that_has_it(
         capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
     monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path / "cache"))
-    assert cli.main(["--dry-run", "trace", "--loop", "fault", "--patch", "pcp-list.patch"]) == 0
+    assert cli.main(["--dry-run", "trace", "--loop", "fault", "--patch", "pcp-drop.patch"]) == 0
     err = capsys.readouterr().err
     boots = [line for line in err.splitlines() if line.startswith("$ qemu-system-x86_64")]
     assert len(boots) == 6
-    assert "pcp-list.patch" in err and "+pcp-list" in boots[-1] and "+pcp-list" not in boots[0]
+    assert "pcp-drop.patch" in err and "+pcp-drop" in boots[-1] and "+pcp-drop" not in boots[0]
 
 
 def test_tables_widen_their_columns_for_long_labels():

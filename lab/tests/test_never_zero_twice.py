@@ -225,7 +225,7 @@ DEFLATE_POLLS = {
 # 55% in; FREEPAGE_DEFLATE_POLLS=busy (or quiet) runs one
 RUN_POLLS = os.environ.get("FREEPAGE_DEFLATE_POLLS", "quiet,busy").split(",")
 # FREEPAGE_DEFLATE_PATCH=<kernel/bench patch> runs it on the series with that
-# test-only patch (pcp-drop.patch, pcp-list.patch: the per-cpu lists' designs)
+# test-only patch (pcp-drop.patch: the series without its per-cpu zero lists)
 DEFLATE_PATCH = os.environ.get("FREEPAGE_DEFLATE_PATCH", "")
 
 
