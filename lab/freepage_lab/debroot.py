@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,10 +89,10 @@ class Root:
 
 
 # The Debian guest: Debian's essential and required packages (coreutils'
-# dd, mount, util-linux: what the I/O workload runs) and nothing else.
-# No init system: the lab's initramfs init runs the script in this root.
-# A compiler (gcc, make) is not in it yet.
-GUEST_ROOT = Root("minbase")
+# dd, mount, util-linux: what the I/O workload runs), and gcc, make and GNU
+# time for the compile workload (compilejob). No init system: the lab's
+# initramfs init runs the script in this root.
+GUEST_ROOT = Root("minbase", ("gcc", "make", "time"))
 # free space on the guest's root disk for the workload's files, MiB
 GUEST_FREE_MIB = 1024
 
@@ -122,13 +123,17 @@ def debian_root(shell: Shell, include: list[str]) -> Path:
     return root_tarball(shell, Root("apt", tuple(sorted({*include, *ROOT_EXTRA}))), cache_root())
 
 
-def guest_image(shell: Shell, root: Root = GUEST_ROOT, free_mib: int = GUEST_FREE_MIB) -> Path:
+def guest_image(shell: Shell, root: Root = GUEST_ROOT, free_mib: int = GUEST_FREE_MIB,
+                trees: Sequence[Path] = ()) -> Path:
     """`root` as an ext4 disk image with `free_mib` to spare, made once per
-    (root, free space); the guest's /freepage is where its init puts the
-    initramfs' programs (busybox, guest/)."""
+    (root, free space, trees); the guest's /freepage is where its init puts
+    the initramfs' programs (busybox, guest/). `trees`: directories whose
+    contents are copied to the image's / (each a cached build, its
+    directory name carrying its content key)."""
     where = paths.cache_dir() / "debian"
     tar = root_tarball(shell, root, where)
-    key = hashlib.sha256(f"{root.key()}\0ext4\0{free_mib}".encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([root.key(), "ext4", str(free_mib),
+                                     *(str(t) for t in trees)]).encode()).hexdigest()[:16]
     out = where / f"guest-{key}"
     image = out / "root.ext4"
 
@@ -137,6 +142,8 @@ def guest_image(shell: Shell, root: Root = GUEST_ROOT, free_mib: int = GUEST_FRE
         if not shell.dry_run:
             tree.mkdir()
         shell.run(["tar", "-C", tree, "-xf", tar], what="unpack the Debian root")
+        for extra in trees:
+            shell.run(["cp", "-a", f"{extra}/.", tree], what=f"copy {extra.name} into the root")
         if not shell.dry_run:
             (tree / "freepage").mkdir(exist_ok=True)
         used_mib = 0 if shell.dry_run else tree_mib(tree)
