@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import debroot, hostcheck, initramfs, kernel, paths
+from . import compilejob, debroot, hostcheck, initramfs, kernel, paths
 from . import qemu as qemu_mod
 from .platforms import Platform, platform
 from .runners import STOCK_QEMU, Runner, make_runner
@@ -122,11 +122,13 @@ class RunContext:
         return dest
 
     def root_disk(self) -> Path | None:
-        """The platform's root disk image (built once, cached), None without one."""
+        """The platform's root disk image (built once, cached), None without
+        one; the Debian root carries the compile workload's tree (compilejob)."""
         if not self.machine.root:
             return None
         if "root" not in self._root_disk:
-            self._root_disk["root"] = debroot.guest_image(self.shell)
+            self._root_disk["root"] = debroot.guest_image(
+                self.shell, trees=(compilejob.tree(self.shell),))
         return self._root_disk["root"]
 
     def log(self, name: str) -> Path:
