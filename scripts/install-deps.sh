@@ -29,8 +29,11 @@ apt_packages=(
 # qemu-system-common with qemu-system-x86, so it comes from backports too
 # libvirt-clients: the host's virsh, which drives the libvirt test's two
 # daemons (each runs libvirt 11.3 in a Debian root of its own)
-backports_packages=(qemu-system-x86 meson python3-pycotap qemu-system-arm libvirt-clients)
-backports_min=(10.0 1.5 1.3 10.0 11.3)
+# qemu-utils: qemu-img makes the root disk overlay a migrating Debian guest's
+# two ends share
+backports_packages=(qemu-system-x86 meson python3-pycotap qemu-system-arm libvirt-clients
+	qemu-utils)
+backports_min=(10.0 1.5 1.3 10.0 11.3 10.0)
 
 apt_lock=(-o DPkg::Lock::Timeout=900)
 

@@ -58,6 +58,10 @@ class GuestConfig:
     # snapshot=on (the image stays as it is); the initramfs' init runs the
     # script in it (initramfs.ROOT_ARG)
     root_disk: Path | None = None
+    # root_disk is a qcow2 overlay of this boot's own, opened writable
+    # without snapshot=on: the two ends of a migration share it, as they
+    # would share storage (qcow2_overlay())
+    root_shared: bool = False
 
 
 # QEMU device property names, in one place: a renamed property is a
@@ -228,7 +232,7 @@ class QemuRunner(Runner):
         elif cfg.balloon:
             argv += self.balloon_args(cfg)
         if cfg.root_disk is not None:
-            argv += self.root_disk_args(cfg.root_disk)
+            argv += self.root_disk_args(cfg.root_disk, cfg.root_shared)
         if cfg.qmp_socket is not None:
             argv += ["-qmp", f"unix:{cfg.qmp_socket},server=on,wait=off"]
         if cfg.incoming is not None:
@@ -236,11 +240,13 @@ class QemuRunner(Runner):
         return argv + cfg.extra_args + (["-icount", PLATFORMS["qemu"].icount] if cfg.icount else [])
 
     @staticmethod
-    def root_disk_args(image: Path) -> list[str]:
+    def root_disk_args(image: Path, shared: bool = False) -> list[str]:
         """The root disk on virtio-blk: the guest's first disk (ROOT_DEVICE);
-        its writes go to a temporary overlay, never to the image."""
-        return ["-drive", f"file={image},if=none,id=root,format=raw,snapshot=on",
-                "-device", "virtio-blk-pci,drive=root"]
+        its writes go to a temporary overlay, never to the image, or with
+        `shared` to `image` itself, a qcow2 overlay (qcow2_overlay())."""
+        drive = (f"file={image},if=none,id=root,format=qcow2" if shared
+                 else f"file={image},if=none,id=root,format=raw,snapshot=on")
+        return ["-drive", drive, "-device", "virtio-blk-pci,drive=root"]
 
     @staticmethod
     def balloon_args(cfg: GuestConfig) -> list[str]:
@@ -260,6 +266,14 @@ class QemuRunner(Runner):
     def huge_backing_bytes(self, guest: Guest) -> int | None:
         """Guest RAM is QEMU's anonymous memory: its THP-backed part."""
         return anon_huge_bytes(guest.pid)
+
+
+def qcow2_overlay(shell: Shell, image: Path, overlay: Path) -> Path:
+    """A qcow2 overlay on the raw `image` (which stays as it is): the
+    root disk a migration's source and destination share."""
+    shell.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", image, overlay],
+              what="a root disk overlay")
+    return overlay
 
 
 class Arm64Runner(Runner):
