@@ -21,7 +21,14 @@ guest wrote fails the run), then populates verify_mib MiB that must read
 zero (a page the guest took for known zero but that came across with
 data fails the run).  Both workloads run for workload_s seconds
 across the migration; their rate (passes or rounds per second) is the
-workload's throughput.
+workload's throughput. "compile" (platform qemu-debian: a Debian root
+with gcc, on a qcow2 overlay both ends share, as shared storage) compiles
+compile_objs objects of Linux 6.12's mm/ with `make -j<compile_jobs>`
+(compilejob) twice after the free: once before the migration ("still")
+and once with the migration starting compile_lead_s into it
+("migrated"); each compile's wall time (GNU time in the guest, and on the
+host from its start to its JSON line on the console) and CPU time (user +
+system of make and its children).
 
 A source on the patched QEMU switches over only after its first pass over
 RAM has ended, and does not send RAM that reads as zero on its side (never
@@ -50,17 +57,20 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
-from .. import guestshell, harness
+from .. import compilejob, guestshell, harness
 from ..context import RunContext
 from ..initramfs import EVENT
-from ..runners import Qmp
+from ..runners import Qmp, qcow2_overlay
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, table
 
 VARIANTS = ("stock", "stock-hint", "no-hint", "hint", "hint-reported")
-WORKLOADS = ("idle", "dirty", "reuse")
+WORKLOADS = ("idle", "dirty", "reuse", "compile")
+# workloads that need the Debian root (platforms.Platform.root)
+ROOT_WORKLOADS = ("compile",)
 MODES = ("precopy", "postcopy", "multifd")
 MIB = 1 << 20
 # the workloads' JSON line: program, and its count of units done
@@ -92,7 +102,8 @@ class MigrateParams:
     reuse_mib: int = 256
     verify_mib: int = 512  # reuse: then a verified populate (0: none)
     workload_s: int = 30
-    workloads: tuple[str, ...] = WORKLOADS
+    # compile only when asked for (it needs --platform qemu-debian)
+    workloads: tuple[str, ...] = tuple(w for w in WORKLOADS if w not in ROOT_WORKLOADS)
     variants: tuple[str, ...] = VARIANTS
     modes: tuple[str, ...] = ("precopy",)
     rounds: int = 5
@@ -109,6 +120,26 @@ class MigrateParams:
     # both ends on the patched QEMU skip RAM that reads as zero (ZERO_SKIP_CAP)
     skip_unpopulated: bool = True
     timeout_s: int = 180
+    smp: int = 1  # vCPUs of both ends
+    # compile: objects of mm/ (0: all), make's jobs, seconds into the
+    # migrated compile before the migration starts, and how long a boot
+    # may take to its migration (boot, fill, both compiles' set-up) and a
+    # compile to its end
+    compile_objs: int = 12
+    compile_jobs: int = 2
+    compile_lead_s: int = 4
+    compile_timeout_s: int = 900
+
+
+def compile_lines(p: MigrateParams) -> list[str]:
+    """The compile workload: the tree read once and one object compiled
+    (warm: neither measured compile reads the disk first), the "still"
+    compile, then the "migrated" one in the background."""
+    return [compilejob.compile_shell(p.compile_jobs),
+            f"find {compilejob.GUEST_DIR} -type f -exec cat {{}} + > /dev/null",
+            "compile_run warm 1",
+            f"compile_run still {p.compile_objs}",
+            f"compile_run migrated {p.compile_objs} &"]
 
 
 def guest_script(p: MigrateParams, workload: str, flush: bool) -> str:
@@ -126,6 +157,8 @@ def guest_script(p: MigrateParams, workload: str, flush: bool) -> str:
         verify = (f"; populate --mib {p.verify_mib} --mode 4k --verify --tag verify"
                   if p.verify_mib else "")
         lines.append(f"(reuse --mib {p.reuse_mib} --seconds {p.workload_s}{verify}) &")
+    elif workload == "compile":
+        lines += compile_lines(p)
     if workload != "idle":
         lines.append("sleep 1")
     free_kib = "$(awk '/^MemFree:/{print $2}' /proc/meminfo)"
@@ -195,10 +228,98 @@ def wait_status(qmp: Qmp, tag: str, done: tuple[str, ...], timeout_s: float,
         time.sleep(0.05)
 
 
+def compile_fields(tag: str, still: dict, migrated: dict, still_t0: float,
+                   migrated_t0: float, migrate_t0: float, migrate_t1: float) -> dict:
+    """One boot's two compiles (their JSON lines, with `_t` the host's time
+    of each line; `*_t0` the host's times of their starts) and the
+    migration's start and end on the host: wall (guest and host) and CPU
+    seconds of each, when the migration started into the migrated one,
+    and whether that compile outlasted the migration. A compile that
+    failed fails the run."""
+    for rec in (still, migrated):
+        if rec.get("rc") != 0:
+            raise LabError(f"{tag}: the {rec.get('tag')} compile failed (make exit "
+                           f"{rec.get('rc')}; the guest printed its last lines)")
+    out: dict = {"compile_objs": migrated["objs"]}
+    for name, rec, t0 in (("still", still, still_t0), ("migrated", migrated, migrated_t0)):
+        out[f"compile_{name}_wall_s"] = float(rec["wall_s"])
+        out[f"compile_{name}_cpu_s"] = float(rec["user_s"]) + float(rec["sys_s"])
+        out[f"compile_{name}_host_s"] = rec["_t"] - t0
+    out["compile_slowdown"] = out["compile_migrated_host_s"] / out["compile_still_host_s"]
+    out["compile_cpu_ratio"] = out["compile_migrated_cpu_s"] / out["compile_still_cpu_s"]
+    out["migrate_into_compile_s"] = migrate_t0 - migrated_t0
+    out["compile_covered"] = migrated["_t"] > migrate_t1
+    return out
+
+
+def compile_result(tag: str, src: harness.Running, dst: harness.Running, timeout_s: float,
+                   migrate_t0: float, migrate_t1: float) -> dict:
+    """compile_fields() of one boot: the still compile's line on the source's
+    console, the migrated one's on the destination's."""
+    starts = {}
+    for name in ("still", "migrated"):
+        _, line, _ = src.guest.wait_for(rf"^{EVENT} compile-start {name}$", 30)
+        starts[name] = line.t
+    dst.guest.wait_for(rf'^{{"prog":"{compilejob.PROG}","tag":"migrated"', timeout_s)
+    still = [r for r in src.booted.records(compilejob.PROG) if r.get("tag") == "still"]
+    migrated = [r for r in dst.booted.records(compilejob.PROG) if r.get("tag") == "migrated"]
+    if not still:
+        raise src.booted.error(f"{tag}: no line of the still compile")
+    return compile_fields(tag, still[-1], migrated[-1], starts["still"], starts["migrated"],
+                          migrate_t0, migrate_t1)
+
+
+# the compile's metrics per variant: (key, column)
+COMPILE_METRICS = (("compile_still_host_s", "still s"), ("compile_migrated_host_s", "migrated s"),
+                   ("compile_still_cpu_s", "still CPU s"),
+                   ("compile_migrated_cpu_s", "migrated CPU s"))
+
+
+def compile_report(names: list[str], by_variant: dict[str, list[dict]]) -> tuple[dict, list]:
+    """The compile's figures over the boots of each variant: medians
+    [p25-p75] of COMPILE_METRICS, the paired migrated/still ratios of wall
+    (host) and CPU time (median with a bootstrap interval), how many
+    migrations ended inside the compile; and for each pair of RATIOS the
+    ratio of the variants' medians. Returns (data, table rows)."""
+    data: dict = {"variants": {}, "ratios": {}}
+    rows: list[list[str]] = []
+    for v in names:
+        recs = [r for r in by_variant.get(v, []) if "compile_still_host_s" in r]
+        if not recs:
+            continue
+        entry: dict = {k: summarise([float(r[k]) for r in recs]).as_dict()
+                       for k, _ in COMPILE_METRICS}
+        # a ratio of each boot's own two compiles: the median of those,
+        # bootstrapped (against a side of ones, whose median stays 1)
+        for key, paired in (("compile_slowdown", "slowdown"), ("compile_cpu_ratio", "cpu_ratio")):
+            xs = [float(r[key]) for r in recs]
+            entry[paired] = median_ratio([1.0] * len(xs), xs).as_dict()
+        entry["covered"] = sum(1 for r in recs if r["compile_covered"])
+        data["variants"][v] = entry
+        rows.append([v, *(f"{entry[k]['median']:.1f} [{entry[k]['p25']:.1f}-{entry[k]['p75']:.1f}]"
+                          for k, _ in COMPILE_METRICS),
+                     fmt_ratio(entry["slowdown"]), fmt_ratio(entry["cpu_ratio"]),
+                     f"{entry['covered']}/{len(recs)}"])
+    for a, b in RATIOS:
+        if a not in data["variants"] or b not in data["variants"]:
+            continue
+        ratios = {k: median_ratio([float(r[k]) for r in by_variant[b] if k in r],
+                                  [float(r[k]) for r in by_variant[a] if k in r]).as_dict()
+                  for k, _ in COMPILE_METRICS}
+        data["ratios"][f"{a}/{b}"] = ratios
+        rows.append([f"{a}/{b}", *(fmt_ratio(ratios[k]) for k, _ in COMPILE_METRICS),
+                     "", "", ""])
+    return data, rows
+
+
+COMPILE_HEADER = ["variant", *(c for _, c in COMPILE_METRICS), "migrated/still",
+                  "CPU migrated/still", "migration inside"]
+
+
 class Migrate(Scenario):
     name = "migrate"
     Params = MigrateParams
-    platforms = ("qemu",)
+    platforms = ("qemu", "qemu-debian")
     needs = "two QEMUs and live migration"
 
     def migrate(self, p: MigrateParams, tag: str, mode: str, qs: Qmp, qd: Qmp,
@@ -235,26 +356,53 @@ class Migrate(Scenario):
         harness.runner(ctx, variant)
         plan = self.plan(p, guest_script(p, workload, variant.reporting),
                          f"migrate-{workload}-{'flush' if variant.reporting else 'resident'}",
-                         cpu=p.cpu or None)
+                         cpu=p.cpu or None, smp=p.smp,
+                         timeout_s=max(p.timeout_s, p.compile_timeout_s)
+                         if workload == "compile" else p.timeout_s)
         port = free_port()
         tag = f"migrate-{mode}-{workload}-{variant.name}-{rnd}"
         # short names: a socket's path must fit sun_path (108 bytes)
         self.boots = getattr(self, "boots", 0) + 1
         src_qmp, dst_qmp = (ctx.run_dir / f"m{self.boots}-src.qmp",
                             ctx.run_dir / f"m{self.boots}-dst.qmp")
+        # a root disk: one overlay both ends open, as shared storage (each
+        # end's own snapshot=on would lose what the source wrote)
+        image = ctx.root_disk()
+        overlay = (qcow2_overlay(ctx.shell, image, ctx.run_dir / f"m{self.boots}-root.qcow2")
+                   if image is not None else None)
+        disk = {"root_disk": overlay, "root_shared": True} if overlay is not None else {}
+        try:
+            return self.pair(ctx, p, mode, workload, variant, tag, plan, port,
+                             (src_qmp, dst_qmp), disk, source_args)
+        finally:
+            if overlay is not None and not ctx.shell.dry_run:
+                overlay.unlink(missing_ok=True)
+
+    def pair(self, ctx: RunContext, p: MigrateParams, mode: str, workload: str,
+             variant: harness.Variant, tag: str, plan: harness.Plan, port: int,
+             qmp: tuple[Path, Path], disk: dict, source_args: tuple[str, ...]) -> dict:
+        """The source and the destination of one migration; `disk`: their
+        shared root disk (GuestConfig fields), or nothing."""
+        src_qmp, dst_qmp = qmp
         with harness.start(ctx, variant, f"{tag}-src", plan, qmp_socket=src_qmp,
                            shared_memfd=p.shared_memfd,
-                           extra_args=[*plan.extra_args, *source_args]) as src, \
+                           extra_args=[*plan.extra_args, *source_args], **disk) as src, \
                 harness.start(ctx, variant, f"{tag}-dst", plan, qmp_socket=dst_qmp,
-                              shared_memfd=p.shared_memfd, incoming="defer") as dst:
+                              shared_memfd=p.shared_memfd, incoming="defer", **disk) as dst:
             if src is None or dst is None:
                 return {}
             ready = src.mark("ready")
             used_kib = int(ready.line.text.split("used_kib=")[1].split()[0])
+            if workload == "compile":
+                # the migration starts compile_lead_s into the migrated compile
+                time.sleep(max(0.0, p.compile_lead_s - (time.monotonic() - ready.line.t)))
             qs, qd = Qmp(src_qmp), Qmp(dst_qmp)
+            compiled: dict = {}
             try:
+                migrate_t0 = time.monotonic()
                 info = self.migrate(p, tag, mode, qs, qd, port,
                                     harness.patched_qemu(ctx, variant))
+                migrate_t1 = time.monotonic()
                 dst_info = qd.execute("query-migrate")
                 assert isinstance(dst_info, dict)
                 # the source reports completion before the destination resumes
@@ -295,6 +443,9 @@ class Migrate(Scenario):
                         if check["nonzero_bytes"]:
                             raise LabError(f"{tag}: {check['nonzero_bytes']} non-zero bytes in "
                                            f"{check['mib']} MiB of freshly populated memory")
+                if workload == "compile":
+                    compiled = compile_result(tag, src, dst, p.compile_timeout_s,
+                                              migrate_t0, migrate_t1)
             finally:
                 qs.close()
                 qd.close()
@@ -319,6 +470,7 @@ class Migrate(Scenario):
             # postcopy: how long the destination's vCPUs waited for pages
             "postcopy_blocktime_ms": dst_info.get("postcopy-blocktime"),
             "workload_rate": rate,
+            **compiled,
         }
 
     def run(self, ctx: RunContext, params: MigrateParams) -> Outcome:
@@ -328,6 +480,10 @@ class Migrate(Scenario):
             if bad or not got:
                 raise LabError(f"migrate: unknown {what} {bad or list(got)}; "
                                f"choose from {', '.join(known)}")
+        rooted = [w for w in params.workloads if w in ROOT_WORKLOADS]
+        if rooted and not ctx.machine.root:
+            raise LabError(f"migrate: workload {rooted[0]} runs in the Debian guest: "
+                           "--platform qemu-debian")
         variants = harness.pick(self.name, "migrate", params.variants)
         names = [v.name for v in variants]
         cells = [(m, w) for m in params.modes for w in params.workloads]
@@ -356,6 +512,7 @@ class Migrate(Scenario):
                results: dict, failures: dict) -> Outcome:
         data: dict = {"platform": ctx.platform, "params": asdict(params), "cells": {}}
         rows: list[list[str]] = []
+        compile_rows: dict[str, list] = {}
         metrics = ("total_time_ms", "downtime_ms", "transferred_mib", "used_mib",
                    "workload_rate")
         for (mode, w), by_variant in results.items():
@@ -384,6 +541,8 @@ class Migrate(Scenario):
                              *[fmt_ratio(ratios[m]) if m in ratios else "" for m in metrics[:3]],
                              "", fmt_ratio(ratios["workload_rate"])
                              if "workload_rate" in ratios else "", ""])
+            if w == "compile":
+                entry["compile"], compile_rows[f"{mode}/{w}"] = compile_report(names, by_variant)
             data["cells"][f"{mode}/{w}"] = entry
         text = (f"migrate ({ctx.platform}, guest {params.mem_mib} MiB, {params.fill_mib} MiB "
                 f"filled then freed, loopback, downtime-limit {params.downtime_limit_ms} ms; "
@@ -394,5 +553,12 @@ class Migrate(Scenario):
                 f"{ZERO_SKIP_CAP} {'on' if params.skip_unpopulated else 'off'} (both ends))\n"
                 + table(["mode", "workload", "variant", "total ms", "downtime ms",
                          "sent MiB", "used MiB", "rate/s", "runs"], rows))
+        for cell, crows in compile_rows.items():
+            text += (f"\n\ncompile during the migration ({cell}: {params.compile_objs or 'all'} "
+                     f"objects of Linux 6.12 mm/, make -j{params.compile_jobs}, {params.smp} "
+                     f"vCPUs; the migration starts {params.compile_lead_s} s into the migrated "
+                     "compile; wall seconds on the host, CPU = user + system in the guest; "
+                     "median [p25-p75], ratios with their bootstrap interval)\n"
+                     + table(COMPILE_HEADER, crows))
         ctx.save("migrate", data)
         return Outcome(self.name, data, text)
