@@ -54,7 +54,7 @@ STEPS = (
           "variants": "stock,stock-hint,hint", "downtime_limit_ms": "400"},
          {"mem_mib": "8192", "fill_mib": "4096", "workloads": "idle", "rounds": "1",
           "variants": "stock,hint", "downtime_limit_ms": "400"}),
-    Step("live migration during a compile in a Debian guest (12 objects of Linux 6.12 mm/, "
+    Step("live migration during a compile in a Debian guest (4 objects of Linux 6.12 mm/, "
          "make -j2, 2 vCPUs), legacy (no hint) vs hinting, the source document's shape "
          "(4502 -> 2273 ms, -50%, compile time unchanged)",
          "migrate", "qemu-debian", "own",

@@ -191,3 +191,13 @@ def test_the_compile_workload_needs_the_debian_guest(capsys) -> None:
             "workloads=compile"]
     assert cli.main(argv) != 0
     assert "--platform qemu-debian" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["smp=0", "compile_jobs=0", "compile_objs=-1",
+                                 "compile_lead_s=-2"])
+def test_impossible_compile_settings_are_refused_before_anything_boots(capsys, bad) -> None:
+    argv = [*dryrun.argv("migrate", "qemu-debian", ()), "--accel", "tcg", "--param",
+            "workloads=compile", "--param", bad]
+    assert cli.main(argv) != 0
+    err = capsys.readouterr().err
+    assert f"{bad.split('=')[0]} must be at least" in err and "qemu-system" not in err

@@ -125,19 +125,19 @@ class MigrateParams:
     # migrated compile before the migration starts, and how long a boot
     # may take to its migration (boot, fill, both compiles' set-up) and a
     # compile to its end
-    compile_objs: int = 12
+    compile_objs: int = 4
     compile_jobs: int = 2
     compile_lead_s: int = 4
     compile_timeout_s: int = 900
 
 
 def compile_lines(p: MigrateParams) -> list[str]:
-    """The compile workload: the tree read once and one object compiled
-    (warm: neither measured compile reads the disk first), the "still"
+    """The compile workload: the tree and the compiler's programs read once
+    (neither measured compile reads them from the disk first), the "still"
     compile, then the "migrated" one in the background."""
     return [compilejob.compile_shell(p.compile_jobs),
             f"find {compilejob.GUEST_DIR} -type f -exec cat {{}} + > /dev/null",
-            "compile_run warm 1",
+            'cat "$(gcc -print-prog-name=cc1)" $(command -v gcc make as) > /dev/null',
             f"compile_run still {p.compile_objs}",
             f"compile_run migrated {p.compile_objs} &"]
 
@@ -484,6 +484,11 @@ class Migrate(Scenario):
         if rooted and not ctx.machine.root:
             raise LabError(f"migrate: workload {rooted[0]} runs in the Debian guest: "
                            "--platform qemu-debian")
+        for name, least in (("smp", 1), ("compile_jobs", 1), ("compile_objs", 0),
+                            ("compile_lead_s", 0)):
+            if getattr(params, name) < least:
+                raise LabError(f"migrate: {name} must be at least {least}, not "
+                               f"{getattr(params, name)}")
         variants = harness.pick(self.name, "migrate", params.variants)
         names = [v.name for v in variants]
         cells = [(m, w) for m in params.modes for w in params.workloads]
