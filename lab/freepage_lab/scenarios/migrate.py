@@ -25,8 +25,8 @@ workload's throughput. "compile" (platform qemu-debian: a Debian root
 with gcc, on a qcow2 overlay both ends share, as shared storage) compiles
 compile_objs objects of Linux 6.12's mm/ with `make -j<compile_jobs>`
 (compilejob) twice after the free: once before the migration ("still")
-and once with the migration starting compile_lead_s into it
-("migrated"); each compile's wall time (GNU time in the guest, and on the
+and once with the migration starting compile_lead_s after the guest
+says ready, a second into it ("migrated"); each compile's wall time (GNU time in the guest, and on the
 host from its start to its JSON line on the console) and CPU time (user +
 system of make and its children).
 
@@ -121,8 +121,9 @@ class MigrateParams:
     skip_unpopulated: bool = True
     timeout_s: int = 180
     smp: int = 1  # vCPUs of both ends
-    # compile: objects of mm/ (0: all), make's jobs, seconds into the
-    # migrated compile before the migration starts, and how long a boot
+    # compile: objects of mm/ (0: all), make's jobs, seconds after the
+    # guest's ready (a second into the migrated compile) before the
+    # migration starts, and how long a boot
     # may take to its migration (boot, fill, both compiles' set-up) and a
     # compile to its end
     compile_objs: int = 4
@@ -394,7 +395,8 @@ class Migrate(Scenario):
             ready = src.mark("ready")
             used_kib = int(ready.line.text.split("used_kib=")[1].split()[0])
             if workload == "compile":
-                # the migration starts compile_lead_s into the migrated compile
+                # the migration starts compile_lead_s after ready (the guest
+                # says ready a second after the migrated compile started)
                 time.sleep(max(0.0, p.compile_lead_s - (time.monotonic() - ready.line.t)))
             qs, qd = Qmp(src_qmp), Qmp(dst_qmp)
             compiled: dict = {}
@@ -561,8 +563,9 @@ class Migrate(Scenario):
         for cell, crows in compile_rows.items():
             text += (f"\n\ncompile during the migration ({cell}: {params.compile_objs or 'all'} "
                      f"objects of Linux 6.12 mm/, make -j{params.compile_jobs}, {params.smp} "
-                     f"vCPUs; the migration starts {params.compile_lead_s} s into the migrated "
-                     "compile; wall seconds on the host, CPU = user + system in the guest; "
+                     f"vCPUs; the migration starts {params.compile_lead_s} s after the guest's ready, "
+                     "which follows the migrated compile's start by about 1 s; wall seconds "
+                     "on the host, CPU = user + system in the guest; "
                      "median [p25-p75], ratios with their bootstrap interval)\n"
                      + table(COMPILE_HEADER, crows))
         ctx.save("migrate", data)
