@@ -18,17 +18,19 @@ Variants (the prezero family), interleaved per repetition (ABBA order):
   limit    the series + kernel/bench/unsafe-no-user-page-zeroing.patch
            (user pages never cleared: the fastest such a start can be)
 
-Per boot: one start of a small VM first (not measured), so that every
-measured start finds QEMU and its libraries in the page cache. Then per
-mode, every variant does the same: dirty the guest's free memory but
-`free_margin_mib` (a host that has been running) and free it, wait until
-the pre-zeroing counters stand still (on: the memory is cleared
-meanwhile, at `warm_cpu_percent` of the CPU; the others: just that idle
-time), then start the VM with the pgzero_* counters read around it.
+Per boot, every variant does the same: one start of a small VM (not
+measured), so that every measured start finds QEMU and its libraries in
+the page cache; then it dirties the guest's free memory but
+`free_margin_mib` (0xa5 in every byte: a host that has been running)
+and frees it. Then per mode: wait until the pre-zeroing counters stand
+still (on: the free memory is cleared meanwhile, at `warm_cpu_percent`
+of the CPU; the others: just that idle time), then start the VM with
+the pgzero_* counters read around it. What a mode's VM used is freed
+when it is killed, not known zero: the next mode's wait clears it again.
 
 Modes: 4k (transparent_hugepage=never), thp (madvise: QEMU madvises its
 RAM MADV_HUGEPAGE), none (the same VM without prealloc, on 4 KiB pages:
-QEMU's start alone, the part no zeroing can shorten; no dirtying).
+QEMU's start alone, the part no zeroing can shorten).
 
 Guest time under -icount shift=0,sleep=off (the default) is executed
 instructions: the start's time and QEMU's CPU time are then counts of
@@ -123,9 +125,9 @@ def vmstart_line(tag: str, vm_mib: int, prealloc: bool, timeout_s: int) -> str:
 @dataclass
 class VmcreateParams:
     # the guest: the host the VM is created on
-    mem_mib: int = 3072
+    mem_mib: int = 1536
     # the VM it creates
-    vm_mib: int = 2048
+    vm_mib: int = 1024
     modes: tuple[str, ...] = ("4k", "thp", "none")
     variants: tuple[str, ...] = ("vanilla", "off", "on")
     repeat: int = 5
@@ -153,20 +155,15 @@ def check_params(p: VmcreateParams) -> None:
 
 
 def mode_lines(p: VmcreateParams, mode: str) -> list[str]:
-    lines = [thp(MODES[mode]), f"ev start {mode}"]
-    if mode in PREALLOC_MODES:
-        lines += [
-            "free=$(awk '$1 == \"MemFree:\" {print int($2 / 1024)}' /proc/meminfo)",
-            f"populate --mib $((free - {p.free_margin_mib})) --mode 4k --fill 0xa5 --tag dirty",
+    return [thp(MODES[mode]),
+            f"ev start {mode}",
             f"knob cpu_percent {p.warm_cpu_percent}",
             f"prezero_wait {p.wait_timeout_s} {mode}",
             "knob cpu_percent 10",
-        ]
-    lines += [f"ev warm {mode}",
-              f"echo \"{EVENT} vm-start {mode}\"",
-              vmstart_line(mode, p.vm_mib, mode in PREALLOC_MODES, p.start_timeout_s),
-              f"ev measured {mode}"]
-    return lines
+            f"ev warm {mode}",
+            f"echo \"{EVENT} vm-start {mode}\"",
+            vmstart_line(mode, p.vm_mib, mode in PREALLOC_MODES, p.start_timeout_s),
+            f"ev measured {mode}"]
 
 
 def guest_script(p: VmcreateParams, variant: str) -> str:
@@ -174,7 +171,9 @@ def guest_script(p: VmcreateParams, variant: str) -> str:
     if variant == "on":
         lines += [require_prezero("vmcreate"), "knob enabled 1"]
     lines += [thp("never"),
-              vmstart_line("warmup", WARMUP_VM_MIB, True, p.start_timeout_s)]
+              vmstart_line("warmup", WARMUP_VM_MIB, True, p.start_timeout_s),
+              "free=$(awk '$1 == \"MemFree:\" {print int($2 / 1024)}' /proc/meminfo)",
+              f"populate --mib $((free - {p.free_margin_mib})) --mode 4k --fill 0xa5 --tag dirty"]
     for mode in p.modes:
         lines += mode_lines(p, mode)
     lines.append("knob enabled 0")
