@@ -110,7 +110,7 @@ STEPS = (
          "guest starts a VM with preallocated memory; 4 KiB, THP; guest instructions), stock, "
          "the series off and on, the source document's row (64 GiB: 4 KiB 2.3x, THP 9.4x)",
          "vmcreate", "qemu-debian", "own", {},
-         {"repeat": "1", "mem_mib": "1536", "vm_mib": "1024", "modes": "4k,thp"}),
+         {"repeat": "1", "mem_mib": "1024", "vm_mib": "512", "modes": "4k,thp"}),
 )
 
 
