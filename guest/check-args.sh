@@ -33,6 +33,7 @@ for bad in abc 12x -1 "" 0x 99999999999999999999999; do
 	expect_refused fpkeep --rounds --rounds "$bad"
 	expect_refused fpkeep --procs --procs "$bad"
 	expect_refused reuse --mib --mib "$bad"
+	expect_refused vmstart --timeout-s --timeout-s "$bad" -- true
 done
 expect_refused populate --fill --mib 1 --fill 0x100
 expect_refused populate --repeat --mib 1 --repeat 4294967296
@@ -43,12 +44,13 @@ expect_refused pagefault --seconds --mib 1 --seconds 2.5
 expect_refused fragment --sleep-ms --mib 1 --sleep-ms 1e2
 expect_refused reuse --seconds --mib 1 --seconds nan
 # an option no program has, and an option without its value
-for prog in populate churn dirty pagefault cachewalk hugefit hugecow fragment reuse fpkeep; do
+for prog in populate churn dirty pagefault cachewalk hugefit hugecow fragment reuse fpkeep vmstart; do
 	expect_refused $prog --bogus --bogus 1
 done
 expect_refused populate --mib --mib
 expect_refused churn --tag --tag
 expect_refused cachewalk --seconds --kib 64 --seconds
+expect_refused vmstart --tag --tag
 
 [ $fail = 0 ] && echo "check-args: every bad number refused"
 exit $fail

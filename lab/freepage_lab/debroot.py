@@ -89,10 +89,12 @@ class Root:
 
 
 # The Debian guest: Debian's essential and required packages (coreutils'
-# dd, mount, util-linux: what the I/O workload runs), and gcc, make and GNU
-# time for the compile workload (compilejob). No init system: the lab's
-# initramfs init runs the script in this root.
-GUEST_ROOT = Root("minbase", ("gcc", "make", "time"))
+# dd, mount, util-linux: what the I/O workload runs), gcc, make and GNU
+# time for the compile workload (compilejob), and Debian's QEMU
+# (qemu-system-x86, no Recommends) for the VM the guest starts itself
+# (scenarios/vmcreate). No init system: the lab's initramfs init runs the
+# script in this root.
+GUEST_ROOT = Root("minbase", ("gcc", "make", "time", "qemu-system-x86"))
 # free space on the guest's root disk for the workload's files, MiB
 GUEST_FREE_MIB = 1024
 

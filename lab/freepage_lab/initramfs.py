@@ -18,7 +18,7 @@ from .shell import LabError, Shell
 
 BUSYBOX = Path("/bin/busybox")
 GUEST_PROGS = ("populate", "dirty", "churn", "pagefault", "cachewalk", "hugefit",
-               "hugecow", "fragment", "reuse", "fpkeep")
+               "hugecow", "fragment", "reuse", "fpkeep", "vmstart")
 
 # Markers the host parses from the console.
 BOOTED = "FREEPAGE-BOOTED"

@@ -79,6 +79,7 @@ def registry() -> dict[str, Scenario]:
     from .reclaim import ReclaimScenario
     from .reclaim_io import ReclaimIo
     from .split import Split
+    from .vmcreate import Vmcreate
     from .zerobench import Zerobench
     from .zerofirst import Zerofirst
     from .zeromix import Zeromix
@@ -87,7 +88,7 @@ def registry() -> dict[str, Scenario]:
     return {s.name: s for s in (ReclaimScenario(), Realloc(), Migrate(), Zeroskip(), Zeromix(),
                                 Zerobench(), Zerofirst(), Split(), Churn(), Pagefault(),
                                 Idle(), Prezero(), PrezeroCost(), PrezeroCpu(),
-                                PrezeroFootprint(), ReclaimIo())}
+                                PrezeroFootprint(), ReclaimIo(), Vmcreate())}
 
 
 def run(scenario: Scenario, ctx: RunContext, params: Any) -> Outcome:

@@ -191,6 +191,13 @@ def counts_instructions(ctx: RunContext, icount: bool) -> bool:
     return icount and bool(ctx.machine.icount)
 
 
+def warn_unless_bench(ctx: RunContext, who: str) -> None:
+    """Say so where the run's kernels are the series' test kernels."""
+    if "bench.config" not in ctx.extra_fragments:
+        print(f"{who}: no --fragment bench.config: the series' debug check reads every "
+              "page it skips clearing; numbers are not representative", flush=True)
+
+
 @dataclass
 class Measure:
     mode: str
@@ -237,9 +244,7 @@ class Prezero(Scenario):
         if counts_instructions(ctx, params.icount):
             harness.check_icount(ctx, self.name)
         variants = harness.pick(self.name, "prezero", params.variants)
-        if "bench.config" not in ctx.extra_fragments:
-            print("prezero: no --fragment bench.config: the series' debug check reads every "
-                  "page it skips clearing; numbers are not representative", flush=True)
+        warn_unless_bench(ctx, self.name)
         runs: dict[str, list[Measure]] = {v: [] for v in params.variants}
 
         def plan(variant: harness.Variant) -> harness.Plan:
