@@ -119,7 +119,11 @@ class MigrateParams:
     switchover_after_first_pass: bool = True
     # both ends on the patched QEMU skip RAM that reads as zero (ZERO_SKIP_CAP)
     skip_unpopulated: bool = True
+    # a boot's wait to its ready and the migration's each get timeout_s,
+    # plus timeout_s_per_gib for every GiB of guest RAM (timeout()): booting
+    # and migrating a big guest under TCG take time that grows with its size
     timeout_s: int = 180
+    timeout_s_per_gib: int = 8
     smp: int = 1  # vCPUs of both ends
     # compile: objects of mm/ (0: all), make's jobs, seconds after the
     # guest's ready (a second into the migrated compile) before the
@@ -130,6 +134,11 @@ class MigrateParams:
     compile_jobs: int = 2
     compile_lead_s: int = 4
     compile_timeout_s: int = 900
+
+
+def timeout(p: MigrateParams) -> int:
+    """How long a boot may take to its ready, and a migration to its end."""
+    return p.timeout_s + p.timeout_s_per_gib * p.mem_mib // 1024
 
 
 def compile_lines(p: MigrateParams) -> list[str]:
@@ -347,7 +356,7 @@ class Migrate(Scenario):
             # finish before: then it ran in precopy, and says so)
             time.sleep(p.postcopy_after_ms / 1000)
             qs.execute("migrate-start-postcopy")
-        return wait_status(qs, tag, ("completed",), p.timeout_s)
+        return wait_status(qs, tag, ("completed",), timeout(p))
 
     def one(self, ctx: RunContext, p: MigrateParams, mode: str, workload: str,
             variant: harness.Variant, rnd: int, source_args: tuple[str, ...] = ()) -> dict:
@@ -358,8 +367,8 @@ class Migrate(Scenario):
         plan = self.plan(p, guest_script(p, workload, variant.reporting),
                          f"migrate-{workload}-{'flush' if variant.reporting else 'resident'}",
                          cpu=p.cpu or None, smp=p.smp,
-                         timeout_s=max(p.timeout_s, p.compile_timeout_s)
-                         if workload == "compile" else p.timeout_s)
+                         timeout_s=max(timeout(p), p.compile_timeout_s)
+                         if workload == "compile" else timeout(p))
         port = free_port()
         tag = f"migrate-{mode}-{workload}-{variant.name}-{rnd}"
         # short names: a socket's path must fit sun_path (108 bytes)
