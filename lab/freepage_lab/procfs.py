@@ -33,6 +33,11 @@ def host_commit_limit_mib() -> int:
     return total >> 20
 
 
+def host_available_mib() -> int:
+    """The host's MemAvailable, MiB."""
+    return (_field_kib("/proc/meminfo", "MemAvailable:") or 0) >> 20
+
+
 def anon_huge_bytes(pid: int) -> int | None:
     """AnonHugePages of one process (smaps_rollup); None once it has exited."""
     return _field_kib(f"/proc/{pid}/smaps_rollup", "AnonHugePages:")
