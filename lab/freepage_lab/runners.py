@@ -169,6 +169,32 @@ def reserves_ram(mem_mib: int, commit_limit_mib: int) -> bool:
     return mem_mib <= commit_limit_mib
 
 
+# the guest kernel's struct pages: 64 bytes per 4 KiB page, written at boot
+MEMMAP_SHARE = 64 / 4096
+# what a guest costs the host besides its memmap and the memory it writes
+# (QEMU itself, the guest kernel and its initramfs), MiB
+GUEST_OVERHEAD_MIB = 512
+
+
+def host_backing_mib(mem_mib: int, written_mib: int) -> int:
+    """About the most a QEMU guest of `mem_mib` that writes `written_mib`
+    of its memory makes the host back: its memmap, what it writes and the
+    rest; the memory it never touches costs nothing."""
+    return int(mem_mib * MEMMAP_SHARE) + written_mib + GUEST_OVERHEAD_MIB
+
+
+def check_host_room(who: str, guests: list[tuple[int, int]], available_mib: int) -> None:
+    """Refuses guests (mem_mib, written_mib each) that would run at once
+    and together need more than the host's `available_mib`."""
+    need = sum(host_backing_mib(m, w) for m, w in guests)
+    if need > available_mib:
+        mem, written = max(guests)
+        raise LabError(
+            f"{who}: {len(guests)} guest(s) of up to {mem // 1024} GiB need about {need} MiB "
+            f"of the host (each: memmap {int(mem * MEMMAP_SHARE)} MiB, {written} MiB written, "
+            f"{GUEST_OVERHEAD_MIB} MiB besides); the host has {available_mib} MiB available")
+
+
 def ram_backend(size_mib: int, reserve: bool) -> str:
     """A private anonymous RAM backend (-object value, without its id)."""
     return f"memory-backend-ram,size={size_mib}M" + ("" if reserve else ",reserve=off")

@@ -9,13 +9,13 @@ import pytest
 
 from freepage_lab import harness
 from freepage_lab.initramfs import EVENT
+from freepage_lab.runners import check_host_room, host_backing_mib
 from freepage_lab.scenarios import get
 from freepage_lab.scenarios.migrate import MigrateParams, timeout
 from freepage_lab.scenarios.scale import (
     Cost,
     ScaleParams,
     check_params,
-    host_need_mib,
     plot,
     prezero_cost,
     prezero_script,
@@ -25,6 +25,7 @@ from freepage_lab.scenarios.scale import (
     script_uptime_s,
     summarise_run,
     target_percent,
+    written_mib,
 )
 from freepage_lab.shell import LabError
 
@@ -50,14 +51,16 @@ def test_a_pool_larger_than_half_the_smallest_guest_is_refused() -> None:
 
 def test_a_guest_whose_memmap_does_not_fit_the_host_is_refused() -> None:
     # 1024 GiB: 16 GiB of struct pages alone, more than a 12 GiB host has
-    with pytest.raises(LabError, match="a 1024 GiB guest needs about .* MiB .*memmap 16384 MiB"):
+    with pytest.raises(LabError, match="guest.* of up to 1024 GiB need about .* memmap 16384 MiB"):
         check_params(ScaleParams(sizes_gib=(1, 1024)), available_mib=12000)
 
 
 def test_a_128_gib_guest_needs_its_memmap_and_what_it_writes() -> None:
     # 2 GiB of struct pages, 512 MiB pre-zeroed plus the percent it may
     # overshoot, and the guest's own
-    assert host_need_mib(ScaleParams(), 128) == 2048 + 512 + 1310 + 512
+    assert written_mib(ScaleParams(), 128) == 512 + 1310
+    assert host_backing_mib(128 * 1024, 512 + 1310) == 2048 + 512 + 1310 + 512
+    check_params(ScaleParams(sizes_gib=(1, 128)), available_mib=2048 + 512 + 1310 + 512)
 
 
 @pytest.mark.parametrize("mem_mib, percent", [(1024, 50), (8192, 7), (32768, 2), (131072, 1),
@@ -154,3 +157,10 @@ def test_migrate_timeouts_grow_with_the_guest() -> None:
     assert timeout(MigrateParams()) == 180 + 8
     assert timeout(MigrateParams(mem_mib=128 * 1024)) == 180 + 8 * 128
     assert timeout(MigrateParams(mem_mib=128 * 1024, timeout_s_per_gib=0)) == 180
+
+
+def test_both_ends_of_a_128_gib_migration_must_fit_the_host() -> None:
+    ends = [(128 * 1024, 700)] * 2
+    check_host_room("migrate", ends, available_mib=2 * (2048 + 700 + 512))
+    with pytest.raises(LabError, match=r"migrate: 2 guest\(s\) of up to 128 GiB need about 6520"):
+        check_host_room("migrate", ends, available_mib=6000)

@@ -62,7 +62,8 @@ from pathlib import Path
 from .. import compilejob, guestshell, harness
 from ..context import RunContext
 from ..initramfs import EVENT
-from ..runners import Qmp, qcow2_overlay
+from ..procfs import host_available_mib
+from ..runners import Qmp, check_host_room, qcow2_overlay
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, table
@@ -366,7 +367,7 @@ class Migrate(Scenario):
         harness.runner(ctx, variant)
         plan = self.plan(p, guest_script(p, workload, variant.reporting),
                          f"migrate-{workload}-{'flush' if variant.reporting else 'resident'}",
-                         cpu=p.cpu or None, smp=p.smp,
+                         cpu=p.cpu or None, smp=p.smp, footprint_s=1.0,
                          timeout_s=max(timeout(p), p.compile_timeout_s)
                          if workload == "compile" else timeout(p))
         port = free_port()
@@ -465,6 +466,8 @@ class Migrate(Scenario):
             if warnings:
                 raise end.booted.error(f"kernel warned: {warnings[0].strip()}")
         ram = info.get("ram", {})
+        peak_mib = [max((s.bytes for s in end.booted.footprint), default=0) / MIB
+                    for end in (src, dst)]
         return {
             "total_time_ms": info.get("total-time"),
             "downtime_ms": info.get("downtime"),
@@ -472,6 +475,9 @@ class Migrate(Scenario):
             "transferred_mib": ram.get("transferred", 0) / MIB,
             "used_mib": used_kib / 1024,
             "dst_free_mib": dst_free_kib / 1024,
+            # the most the host backed for each end (VmRSS, sampled each second)
+            "src_peak_rss_mib": peak_mib[0],
+            "dst_peak_rss_mib": peak_mib[1],
             "normal_pages": ram.get("normal"),
             "zero_pages": ram.get("duplicate"),
             "dirty_sync_count": ram.get("dirty-sync-count"),
@@ -501,6 +507,10 @@ class Migrate(Scenario):
                 raise LabError(f"migrate: {name} must be at least {least}, not "
                                f"{getattr(params, name)}")
         variants = harness.pick(self.name, "migrate", params.variants)
+        if not ctx.shell.dry_run:
+            # both ends at once, each writing its memmap and the fill
+            check_host_room("migrate", [(params.mem_mib, params.fill_mib)] * 2,
+                            host_available_mib())
         names = [v.name for v in variants]
         cells = [(m, w) for m in params.modes for w in params.workloads]
         results: dict[tuple[str, str], dict[str, list[dict]]] = {

@@ -49,17 +49,13 @@ from ..guestshell import (
 )
 from ..initramfs import EVENT
 from ..procfs import host_available_mib
+from ..runners import check_host_room
 from ..shell import LabError
 from ..stats import summarise
 from . import Outcome, Scenario, table
 
 VARIANTS = tuple(harness.family("scale"))
 PAGES_PER_GIB = 1 << 18
-# the guest's struct pages: 64 bytes per 4 KiB page, written at boot
-MEMMAP_SHARE = 64 / 4096
-# what a guest costs the host besides its memmap and the memory it fills
-# (kernel, initramfs, QEMU itself), MiB
-GUEST_OVERHEAD_MIB = 512
 # the rows of the cost table: (variant, phase, what the cost is per GiB of)
 PHASES = (("reporting", "boot", "reported"), ("reporting", "pool", "reported"),
           ("prezero", "clear", "cleared"))
@@ -80,10 +76,11 @@ class ScaleParams:
     timeout_s_per_gib: int = 10
 
 
-def check_params(p: ScaleParams, available_mib: int) -> None:
+def check_params(p: ScaleParams, available_mib: int | None) -> None:
     """Refuses bad parameters, and sizes whose guests would not fit the
-    host's available memory (their memmap, the memory they fill, the rest);
-    sizes given as text (--param sizes_gib=1,8) become ints."""
+    host's `available_mib` (their memmap, the memory they write, the rest;
+    None: not checked, as in a dry run); sizes given as text (--param
+    sizes_gib=1,8) become ints."""
     try:
         p.sizes_gib = tuple(int(s) for s in p.sizes_gib)
     except ValueError:
@@ -96,21 +93,16 @@ def check_params(p: ScaleParams, available_mib: int) -> None:
         if not 0 < getattr(p, name) <= min(p.sizes_gib) * 1024 // 2:
             raise LabError(f"scale: {name} must be above 0 and at most half the smallest "
                            f"guest ({min(p.sizes_gib) * 512} MiB), not {getattr(p, name)}")
-    for size in p.sizes_gib:
-        need = host_need_mib(p, size)
-        if need > available_mib:
-            raise LabError(f"scale: a {size} GiB guest needs about {need} MiB of the host "
-                           f"(memmap {int(size * 1024 * MEMMAP_SHARE)} MiB, "
-                           f"{max(p.pool_mib, p.prezero_mib)} MiB written, "
-                           f"{GUEST_OVERHEAD_MIB} MiB besides); the host has "
-                           f"{available_mib} MiB available")
+    if available_mib is not None:
+        for size in p.sizes_gib:
+            check_host_room("scale", [(size * 1024, written_mib(p, size))], available_mib)
 
 
-def host_need_mib(p: ScaleParams, size_gib: int) -> int:
-    """What one guest of `size_gib` makes the host back, at most, MiB."""
-    # pre-zeroing may clear up to a percent more than asked (target_percent())
-    cleared = p.prezero_mib + size_gib * 1024 // 100
-    return int(size_gib * 1024 * MEMMAP_SHARE) + max(p.pool_mib, cleared) + GUEST_OVERHEAD_MIB
+def written_mib(p: ScaleParams, size_gib: int) -> int:
+    """The most a guest of `size_gib` writes: the pool, or what pre-zeroing
+    clears, which may be up to a percent of its RAM more than asked
+    (target_percent())."""
+    return max(p.pool_mib, p.prezero_mib + size_gib * 1024 // 100)
 
 
 def target_percent(prezero_mib: int, mem_mib: int) -> int:
@@ -306,7 +298,7 @@ class Scale(Scenario):
     needs = "x86_64 QEMU: guests of many GiB, the balloon's reporting"
 
     def run(self, ctx: RunContext, params: ScaleParams) -> Outcome:
-        check_params(params, host_available_mib())
+        check_params(params, None if ctx.shell.dry_run else host_available_mib())
         variants = harness.pick(self.name, "scale", params.variants)
         costs: list[Cost] = []
         for size in params.sizes_gib:
