@@ -106,6 +106,11 @@ STEPS = (
           "repeat": "3"},
          {"variants": "vanilla,on", "modes": "thp,hugetlb", "repeat": "1", "mem_mib": "1024",
           "populate_mib": "128"}),
+    # the 32 and 128 GiB migrations are `freepage run migrate --param mem_mib=...`
+    # (docs/results/free-page-hint.md): too long for a demo under TCG
+    Step("free page reporting and pre-zeroing: cost per GiB by guest size (1, 8, 32 GiB; "
+         "--quick: 1 GiB only)",
+         "scale", "qemu", "own", {}, {"sizes_gib": "1", "repeat": "1"}),
 )
 
 
