@@ -5,7 +5,8 @@ QEMU x86_64, the series' kernel, one guest per size in `sizes_gib`
 about 1.6% of its RAM, which the guest writes at boot). A guest larger
 than the host's RAM plus swap gets RAM with reserve=off
 (runners.reserves_ram()): the host backs only what the guest touches.
-Every size boots each variant `repeat` times, in ABBA order.
+Every repetition boots each size with each variant, sizes and variants
+in ABBA order.
 
 Variants (harness.FAMILIES["scale"]):
   reporting  the balloon with free page reporting, on the run's QEMU. The
@@ -291,6 +292,21 @@ def plot(data: dict[str, Any], path: Path) -> None:
                  "free page reporting and pre-zeroing: cost per GiB by guest size")
 
 
+def plan(p: ScaleParams, variant: str, size_gib: int) -> harness.Plan:
+    return harness.Plan(SCRIPTS[variant](p, size_gib * 1024), initrd=f"scale-{variant}-{size_gib}g",
+                        mem_mib=size_gib * 1024, icount=p.icount,
+                        timeout_s=timeout(p, size_gib), footprint_s=1.0)
+
+
+def boot_costs(booted: harness.Booted, size_gib: int) -> list[Cost]:
+    """The phases of one boot, with its boot time and the VMM's peak RSS."""
+    boot_s = script_uptime_s(booted.lines)
+    peak = max((s.bytes for s in booted.footprint), default=0) / (1 << 20)
+    if booted.variant.name == "reporting":
+        return reporting_costs(booted.records(), size_gib, boot_s, peak)
+    return [prezero_cost(booted.lines, size_gib, boot_s, peak)]
+
+
 class Scale(Scenario):
     name = "scale"
     Params = ScaleParams
@@ -301,21 +317,15 @@ class Scale(Scenario):
         check_params(params, None if ctx.shell.dry_run else host_available_mib())
         variants = harness.pick(self.name, "scale", params.variants)
         costs: list[Cost] = []
-        for size in params.sizes_gib:
-
-            def plan(variant: harness.Variant, size: int = size) -> harness.Plan:
-                return harness.Plan(SCRIPTS[variant.name](params, size * 1024),
-                                    initrd=f"scale-{variant.name}-{size}g", mem_mib=size * 1024,
-                                    icount=params.icount, timeout_s=timeout(params, size),
-                                    footprint_s=1.0)
-
-            for booted in harness.rounds(ctx, variants, params.repeat, f"scale-{size}g", plan):
-                boot_s = script_uptime_s(booted.lines)
-                peak = max((s.bytes for s in booted.footprint), default=0) / (1 << 20)
-                if booted.variant.name == "reporting":
-                    costs += reporting_costs(booted.records(), size, boot_s, peak)
-                else:
-                    costs.append(prezero_cost(booted.lines, size, boot_s, peak))
+        # sizes and variants alternate (ABBA) in every repetition, so that
+        # the host's load drifts over all of them alike
+        for rep in range(params.repeat):
+            for size in harness.order(params.sizes_gib, rep):
+                for variant in harness.order(variants, rep):
+                    booted = harness.boot(ctx, variant, f"scale-{size}g-{variant.name}-{rep}",
+                                          plan(params, variant.name, size))
+                    if booted is not None:
+                        costs += boot_costs(booted, size)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         data = summarise_run(params, costs)
