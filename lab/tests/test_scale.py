@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from freepage_lab import harness
+from freepage_lab.guest import ConsoleLine
 from freepage_lab.initramfs import EVENT
 from freepage_lab.runners import check_host_room, host_backing_mib
 from freepage_lab.scenarios import get
@@ -15,6 +16,7 @@ from freepage_lab.scenarios.migrate import MigrateParams, timeout
 from freepage_lab.scenarios.scale import (
     Cost,
     ScaleParams,
+    boot_seconds,
     check_params,
     plot,
     prezero_cost,
@@ -22,7 +24,6 @@ from freepage_lab.scenarios.scale import (
     render,
     reporting_costs,
     reporting_script,
-    script_uptime_s,
     summarise_run,
     target_percent,
     written_mib,
@@ -121,9 +122,15 @@ def prezero_lines(cleared_pages: int, cpu_ns: int, exact: int = 1) -> list[str]:
 
 def test_prezero_cost_from_its_two_lines() -> None:
     lines = prezero_lines(GIB_PAGES // 2, 150_000_000)
-    cost = prezero_cost(lines, 32, script_uptime_s(lines), 600.0)
-    assert (cost.gib, cost.ms, cost.count, cost.boot_s) == (0.5, 150.0, 6, 4.21)
+    console = [ConsoleLine(100.0 + i, text) for i, text in enumerate(lines)]
+    cost = prezero_cost(lines, 32, boot_seconds(console, 96.5), 600.0)
+    assert (cost.gib, cost.ms, cost.count, cost.boot_s) == (0.5, 150.0, 6, 3.5)
     assert cost.ms_per_gib == 300.0 and cost.exact
+
+
+def test_a_guest_that_never_started_its_script_is_an_error() -> None:
+    with pytest.raises(LabError, match="never said when its script started"):
+        boot_seconds([ConsoleLine(1.0, "Linux version 6.12")], 0.0)
 
 
 def test_prezero_cost_without_its_end_line_is_an_error() -> None:

@@ -21,9 +21,9 @@ Variants (harness.FAMILIES["scale"]):
              enabled until its counters settle: the CPU time the scheduler
              charged to it (schedstat), the pages it cleared
              (pgzero_marked_prezero) and its scans of the zones.
-Cost = time per GiB reported or cleared. Also per boot: the guest's uptime
-when its script starts (the boot, which grows with the memmap) and the
-VMM's peak RSS.
+Cost = time per GiB reported or cleared. Also per boot: the host's seconds from
+the guest's start to its script (the boot, which grows with the memmap)
+and the VMM's peak RSS.
 
 Timings are TCG's (-icount with icount=true: guest time counts
 instructions, one per virtual ns, and the device's discard then counts
@@ -39,6 +39,7 @@ from typing import Any
 
 from .. import harness
 from ..context import RunContext
+from ..guest import ConsoleLine
 from ..guestshell import (
     BALLOON_BOUND,
     flush_cmd,
@@ -171,11 +172,14 @@ class Cost:
         return self.ms / self.gib if self.gib else 0.0
 
 
-def script_uptime_s(lines: list[str]) -> float:
+def boot_seconds(lines: list[ConsoleLine], started: float) -> float:
+    """Host seconds from the guest's start to its script's first line: the
+    whole boot, with the memmap's initialisation, which comes before the
+    guest's own clock starts (its uptime leaves it out)."""
     for line in lines:
-        w = line.split()
+        w = line.text.split()
         if len(w) == 4 and w[0] == EVENT and w[1] == "script":
-            return int(w[3]) / 1000
+            return line.t - started
     raise LabError("scale: the guest never said when its script started")
 
 
@@ -300,7 +304,7 @@ def plan(p: ScaleParams, variant: str, size_gib: int) -> harness.Plan:
 
 def boot_costs(booted: harness.Booted, size_gib: int) -> list[Cost]:
     """The phases of one boot, with its boot time and the VMM's peak RSS."""
-    boot_s = script_uptime_s(booted.lines)
+    boot_s = boot_seconds(booted.guest.lines, booted.guest.started)
     peak = max((s.bytes for s in booted.footprint), default=0) / (1 << 20)
     if booted.variant.name == "reporting":
         return reporting_costs(booted.records(), size_gib, boot_s, peak)
