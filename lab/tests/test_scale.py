@@ -171,3 +171,13 @@ def test_both_ends_of_a_128_gib_migration_must_fit_the_host() -> None:
     check_host_room("migrate", ends, available_mib=2 * (2048 + 700 + 512))
     with pytest.raises(LabError, match=r"migrate: 2 guest\(s\) of up to 128 GiB need about 6520"):
         check_host_room("migrate", ends, available_mib=6000)
+
+
+def test_runs_started_in_the_same_second_get_directories_of_their_own(tmp_path: Path) -> None:
+    from freepage_lab.context import new_run_dir
+
+    first = new_run_dir(tmp_path / "runs" / "20261130-074235-migrate-qemu-debian")
+    second = new_run_dir(tmp_path / "runs" / "20261130-074235-migrate-qemu-debian")
+    assert first.name == "20261130-074235-migrate-qemu-debian"
+    assert second.name == "20261130-074235-migrate-qemu-debian-2"
+    assert first.is_dir() and second.is_dir()
