@@ -530,6 +530,12 @@ class Migrate(Scenario):
                         continue
                     if rec:
                         results[(mode, workload)][v.name].append(rec)
+                        # each migration as it ends: a run cut short still says what it got
+                        print(f"migrate {mode}/{workload}/{v.name} round {rnd}: "
+                              f"total {rec['total_time_ms']} ms, downtime {rec['downtime_ms']} "
+                              f"ms, sent {rec['transferred_mib']:.0f} MiB, used "
+                              f"{rec['used_mib']:.0f} MiB, peak RSS {rec['src_peak_rss_mib']:.0f}"
+                              f" / {rec['dst_peak_rss_mib']:.0f} MiB", flush=True)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         return self.report(ctx, params, names, results, failures)
