@@ -328,8 +328,15 @@ class Scale(Scenario):
                 for variant in harness.order(variants, rep):
                     booted = harness.boot(ctx, variant, f"scale-{size}g-{variant.name}-{rep}",
                                           plan(params, variant.name, size))
-                    if booted is not None:
-                        costs += boot_costs(booted, size)
+                    if booted is None:
+                        continue
+                    for c in boot_costs(booted, size):
+                        costs.append(c)
+                        # each phase as it ends: a run cut short still says what it got
+                        print(f"scale {size} GiB {c.variant}/{c.phase} round {rep}: "
+                              f"{c.gib:.2f} GiB in {c.ms:.0f} ms ({c.ms_per_gib:.0f} ms/GiB), "
+                              f"{c.count} passes/scans, boot {c.boot_s:.0f} s, "
+                              f"peak RSS {c.peak_rss_mib:.0f} MiB", flush=True)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         data = summarise_run(params, costs)
