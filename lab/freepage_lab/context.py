@@ -13,7 +13,22 @@ from . import compilejob, debroot, hostcheck, initramfs, kernel, paths
 from . import qemu as qemu_mod
 from .platforms import Platform, platform
 from .runners import STOCK_QEMU, Runner, make_runner
-from .shell import Shell
+from .shell import LabError, Shell
+
+
+def new_run_dir(path: Path) -> Path:
+    """Make a run's own directory: `path`, or with a suffix (-2, -3, ...)
+    where a run started in the same second with the same label has it, so
+    that no two runs share logs, sockets or disk overlays."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        candidate = path if n == 1 else path.with_name(f"{path.name}-{n}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return candidate
+    raise LabError(f"no free run directory next to {path}")
 
 
 @dataclass
@@ -42,7 +57,7 @@ class RunContext:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = paths.runs_dir() / f"{stamp}-{label}"
         if not shell.dry_run:
-            run_dir.mkdir(parents=True, exist_ok=True)
+            run_dir = new_run_dir(run_dir)
             # which CPU the figures come from (`freepage host`)
             hostcheck.save(run_dir / "host.json", hostcheck.facts())
         return cls(shell=shell, run_dir=run_dir, **kw)  # type: ignore[arg-type]

@@ -111,6 +111,11 @@ STEPS = (
          "the series off and on, the source document's row (64 GiB: 4 KiB 2.3x, THP 9.4x)",
          "vmcreate", "qemu-debian", "own", {},
          {"repeat": "1", "mem_mib": "1024", "vm_mib": "512", "modes": "4k,thp"}),
+    # the 32 and 128 GiB migrations are `freepage run migrate --param mem_mib=...`
+    # (docs/results/free-page-hint.md): too long for a demo under TCG
+    Step("free page reporting and pre-zeroing: cost per GiB by guest size (1, 8, 32 GiB; "
+         "--quick: 1 GiB only)",
+         "scale", "qemu", "own", {}, {"sizes_gib": "1", "repeat": "1"}),
 )
 
 

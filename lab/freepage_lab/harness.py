@@ -161,6 +161,13 @@ FAMILIES: dict[str, dict[str, Variant]] = {name: {v.name: v for v in vs} for nam
         # producer of zeroed pages is on (beside "backed", interleaved)
         Variant("stock-backed", patched=False, reporting=False, zeroing=None),
     ),
+    # what reporting and pre-zeroing cost per GiB by guest size: the series
+    # with the balloon reporting (the context's QEMU), and without a balloon,
+    # so every free block is pre-zeroing's
+    "scale": (
+        Variant("reporting", patched=True),
+        Variant("prezero", patched=True, balloon=False),
+    ),
     # pre-zeroing's CPU cap, and its footprint beside a reporting balloon
     "prezero_cpu": (Variant("series", patched=True, balloon=False),),
     "prezero_footprint": (Variant("series", patched=True, zeroing=True),),

@@ -55,3 +55,30 @@ def bar_plot(path: Path, groups: dict[str, dict[str, float]], ylabel: str, title
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def scaling_plot(path: Path, series: dict[str, tuple[list[float], list[float], list[float],
+                                                     list[float]]],
+                 xlabel: str, ylabel: str, title: str) -> None:
+    """A line per series over a log2 x axis and a log y axis (costs that
+    grow by orders of magnitude): series[label] = (x, median, low, high),
+    the band from low to high shaded."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, (xs, ys, lo, hi) in series.items():
+        ax.plot(xs, ys, marker="o", label=label, linewidth=1.2)
+        ax.fill_between(xs, lo, hi, alpha=0.2)
+    ax.set_xscale("log", base=2)
+    xs_all = sorted({x for xs, _, _, _ in series.values() for x in xs})
+    ax.set_xticks(xs_all)
+    ax.set_xticklabels([f"{x:g}" for x in xs_all])
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -26,6 +26,18 @@ def rss_bytes(pid: int) -> int | None:
     return _field_kib(f"/proc/{pid}/status", "VmRSS:")
 
 
+def host_commit_limit_mib() -> int:
+    """The largest mapping Linux's heuristic overcommit (vm.overcommit_memory
+    0, the default) lets a process reserve: the host's RAM plus swap, MiB."""
+    total = sum(_field_kib("/proc/meminfo", key) or 0 for key in ("MemTotal:", "SwapTotal:"))
+    return total >> 20
+
+
+def host_available_mib() -> int:
+    """The host's MemAvailable, MiB."""
+    return (_field_kib("/proc/meminfo", "MemAvailable:") or 0) >> 20
+
+
 def anon_huge_bytes(pid: int) -> int | None:
     """AnonHugePages of one process (smaps_rollup); None once it has exited."""
     return _field_kib(f"/proc/{pid}/smaps_rollup", "AnonHugePages:")

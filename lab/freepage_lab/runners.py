@@ -13,7 +13,7 @@ from pathlib import Path
 from .guest import Guest
 from .initramfs import ROOT_ARG
 from .platforms import PLATFORMS, platform
-from .procfs import allocated_bytes, anon_huge_bytes, deleted_file, rss_bytes
+from .procfs import allocated_bytes, anon_huge_bytes, deleted_file, host_commit_limit_mib, rss_bytes
 from .shell import LabError, Shell
 
 
@@ -160,16 +160,57 @@ QEMU_FIRMWARE_DIRS = (Path("/usr/share/qemu"), Path("/usr/share/seabios"),
 BALLOON_INIT_PROPS = {k: v for k, v in BALLOON_PROPERTIES.items() if k != "free_page_reporting"}
 
 
-def numa_args(cfg: GuestConfig, shared_memfd: bool) -> list[str]:
+def reserves_ram(mem_mib: int, commit_limit_mib: int) -> bool:
+    """Whether guest RAM can be an ordinary mapping, whose size the host
+    reserves up front. A guest larger than the host's RAM plus swap cannot:
+    the heuristic overcommit refuses the mapping, so its RAM becomes a
+    memory-backend-ram with reserve=off (MAP_NORESERVE). Either way the
+    host backs only the pages the guest touches."""
+    return mem_mib <= commit_limit_mib
+
+
+# the guest kernel's struct pages: 64 bytes per 4 KiB page, written at boot
+MEMMAP_SHARE = 64 / 4096
+# what a guest costs the host besides its memmap and the memory it writes
+# (QEMU itself, the guest kernel and its initramfs), MiB
+GUEST_OVERHEAD_MIB = 512
+
+
+def host_backing_mib(mem_mib: int, written_mib: int) -> int:
+    """About the most a QEMU guest of `mem_mib` that writes `written_mib`
+    of its memory makes the host back: its memmap, what it writes and the
+    rest; the memory it never touches costs nothing."""
+    return int(mem_mib * MEMMAP_SHARE) + written_mib + GUEST_OVERHEAD_MIB
+
+
+def check_host_room(who: str, guests: list[tuple[int, int]], available_mib: int) -> None:
+    """Refuses guests (mem_mib, written_mib each) that would run at once
+    and together need more than the host's `available_mib`."""
+    need = sum(host_backing_mib(m, w) for m, w in guests)
+    if need > available_mib:
+        mem, written = max(guests)
+        raise LabError(
+            f"{who}: {len(guests)} guest(s) of up to {mem // 1024} GiB need about {need} MiB "
+            f"of the host (each: memmap {int(mem * MEMMAP_SHARE)} MiB, {written} MiB written, "
+            f"{GUEST_OVERHEAD_MIB} MiB besides); the host has {available_mib} MiB available")
+
+
+def ram_backend(size_mib: int, reserve: bool) -> str:
+    """A private anonymous RAM backend (-object value, without its id)."""
+    return f"memory-backend-ram,size={size_mib}M" + ("" if reserve else ",reserve=off")
+
+
+def numa_args(cfg: GuestConfig, shared_memfd: bool, reserve: bool = True) -> list[str]:
     """`cfg.numa_nodes` NUMA nodes, each with its share of the memory in its
-    own backend (a shared memfd where a vhost-user daemon maps guest RAM)
-    and a contiguous run of the vCPUs; nodes past the last vCPU get none."""
+    own backend (a shared memfd where a vhost-user daemon maps guest RAM;
+    `reserve` False: reserve=off, reserves_ram()) and a contiguous run of
+    the vCPUs; nodes past the last vCPU get none."""
     nodes, smp = cfg.numa_nodes, cfg.smp
     if cfg.mem_mib % nodes:
         raise LabError(f"{cfg.mem_mib} MiB do not split evenly over {nodes} NUMA nodes")
     size = cfg.mem_mib // nodes
     backend = (f"memory-backend-memfd,size={size}M,share=on" if shared_memfd
-               else f"memory-backend-ram,size={size}M")
+               else ram_backend(size, reserve))
     per_node = -(-smp // nodes)  # ceiling: every vCPU in some node
     argv: list[str] = []
     for n in range(nodes):
@@ -186,13 +227,18 @@ class QemuRunner(Runner):
 
     `binary`: Debian's QEMU (the stock baseline) or a build of the qemu/ series
     (freepage variants; given Debian's firmware directories with -L).
+    `commit_limit_mib`: the host's RAM plus swap (reserves_ram(); read from
+    /proc/meminfo unless given).
     """
 
     name = "qemu"
 
-    def __init__(self, shell: Shell, accel: str = "auto", binary: Path = STOCK_QEMU) -> None:
+    def __init__(self, shell: Shell, accel: str = "auto", binary: Path = STOCK_QEMU,
+                 commit_limit_mib: int | None = None) -> None:
         super().__init__(shell)
         self.binary = binary
+        self.commit_limit_mib = (host_commit_limit_mib() if commit_limit_mib is None
+                                 else commit_limit_mib)
         if accel == "auto":
             ok, why = kvm_usable()
             accel = "kvm" if ok else "tcg"
@@ -213,7 +259,8 @@ class QemuRunner(Runner):
         machine = f"pc,accel={self.accel}"
         # a vhost-user daemon maps guest RAM: it must be a shared file
         shared_memfd = cfg.shared_memfd or cfg.vhost_user_balloon is not None
-        if shared_memfd and cfg.numa_nodes == 1:
+        reserve = reserves_ram(cfg.mem_mib, self.commit_limit_mib)
+        if (shared_memfd or not reserve) and cfg.numa_nodes == 1:
             machine += ",memory-backend=mem"
         argv = [str(self.binary), "-machine", machine,
                 "-cpu", cfg.cpu or ("max" if self.accel == "tcg" else "host"), "-smp", str(cfg.smp),
@@ -224,9 +271,11 @@ class QemuRunner(Runner):
             for d in QEMU_FIRMWARE_DIRS:
                 argv += ["-L", str(d)]
         if cfg.numa_nodes > 1:
-            argv += numa_args(cfg, shared_memfd)
+            argv += numa_args(cfg, shared_memfd, reserve)
         elif shared_memfd:
             argv += ["-object", f"memory-backend-memfd,id=mem,size={cfg.mem_mib}M,share=on"]
+        elif not reserve:
+            argv += ["-object", f"{ram_backend(cfg.mem_mib, reserve)},id=mem"]
         if cfg.vhost_user_balloon is not None:
             argv += self.vhost_user_balloon_args(cfg)
         elif cfg.balloon:

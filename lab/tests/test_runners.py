@@ -133,3 +133,28 @@ def test_root_disk_refused_where_the_platform_has_none():
         UmlRunner(Shell()).argv(cfg(root_disk=Path("/r")))
     with pytest.raises(LabError, match="root disks"):
         runners.Arm64Runner(Shell()).argv(cfg(root_disk=Path("/r")))
+
+
+def test_qemu_guest_larger_than_host_ram_is_not_reserved():
+    # 128 GiB on a host with 24 GiB of RAM and swap: the heuristic overcommit
+    # would refuse the mapping, so RAM is a backend with reserve=off
+    argv = QemuRunner(Shell(), accel="tcg", commit_limit_mib=24 * 1024).argv(
+        cfg(mem_mib=128 * 1024))
+    assert "memory-backend-ram,size=131072M,reserve=off,id=mem" in argv
+    assert "pc,accel=tcg,memory-backend=mem" in argv
+    assert argv[argv.index("-m") + 1] == "131072M"
+
+
+def test_qemu_guest_within_host_ram_keeps_its_command_line():
+    argv = QemuRunner(Shell(), accel="tcg", commit_limit_mib=24 * 1024).argv(cfg(mem_mib=8192))
+    assert not any("reserve=off" in a or "memory-backend" in a for a in argv)
+    assert "pc,accel=tcg" in argv
+
+
+def test_qemu_numa_nodes_of_a_guest_larger_than_host_ram_are_not_reserved():
+    argv = QemuRunner(Shell(), accel="tcg", commit_limit_mib=1024).argv(
+        cfg(mem_mib=4096, numa_nodes=2, smp=2))
+    backends = [a for a in argv if a.startswith("memory-backend-ram")]
+    assert backends == ["memory-backend-ram,size=2048M,reserve=off,id=ram0",
+                        "memory-backend-ram,size=2048M,reserve=off,id=ram1"]
+    assert "pc,accel=tcg" in argv

@@ -78,6 +78,7 @@ def registry() -> dict[str, Scenario]:
     from .realloc import Realloc
     from .reclaim import ReclaimScenario
     from .reclaim_io import ReclaimIo
+    from .scale import Scale
     from .split import Split
     from .vmcreate import Vmcreate
     from .zerobench import Zerobench
@@ -88,7 +89,7 @@ def registry() -> dict[str, Scenario]:
     return {s.name: s for s in (ReclaimScenario(), Realloc(), Migrate(), Zeroskip(), Zeromix(),
                                 Zerobench(), Zerofirst(), Split(), Churn(), Pagefault(),
                                 Idle(), Prezero(), PrezeroCost(), PrezeroCpu(),
-                                PrezeroFootprint(), ReclaimIo(), Vmcreate())}
+                                PrezeroFootprint(), ReclaimIo(), Vmcreate(), Scale())}
 
 
 def run(scenario: Scenario, ctx: RunContext, params: Any) -> Outcome:

@@ -62,7 +62,8 @@ from pathlib import Path
 from .. import compilejob, guestshell, harness
 from ..context import RunContext
 from ..initramfs import EVENT
-from ..runners import Qmp, qcow2_overlay
+from ..procfs import host_available_mib
+from ..runners import Qmp, check_host_room, qcow2_overlay
 from ..shell import LabError
 from ..stats import fmt_ratio, median_ratio, summarise
 from . import Outcome, Scenario, table
@@ -119,7 +120,11 @@ class MigrateParams:
     switchover_after_first_pass: bool = True
     # both ends on the patched QEMU skip RAM that reads as zero (ZERO_SKIP_CAP)
     skip_unpopulated: bool = True
+    # a boot's wait to its ready and the migration's each get timeout_s,
+    # plus timeout_s_per_gib for every GiB of guest RAM (timeout()): booting
+    # and migrating a big guest under TCG take time that grows with its size
     timeout_s: int = 180
+    timeout_s_per_gib: int = 8
     smp: int = 1  # vCPUs of both ends
     # compile: objects of mm/ (0: all), make's jobs, seconds after the
     # guest's ready (a second into the migrated compile) before the
@@ -130,6 +135,11 @@ class MigrateParams:
     compile_jobs: int = 2
     compile_lead_s: int = 4
     compile_timeout_s: int = 900
+
+
+def timeout(p: MigrateParams) -> int:
+    """How long a boot may take to its ready, and a migration to its end."""
+    return p.timeout_s + p.timeout_s_per_gib * p.mem_mib // 1024
 
 
 def compile_lines(p: MigrateParams) -> list[str]:
@@ -347,7 +357,7 @@ class Migrate(Scenario):
             # finish before: then it ran in precopy, and says so)
             time.sleep(p.postcopy_after_ms / 1000)
             qs.execute("migrate-start-postcopy")
-        return wait_status(qs, tag, ("completed",), p.timeout_s)
+        return wait_status(qs, tag, ("completed",), timeout(p))
 
     def one(self, ctx: RunContext, p: MigrateParams, mode: str, workload: str,
             variant: harness.Variant, rnd: int, source_args: tuple[str, ...] = ()) -> dict:
@@ -357,9 +367,9 @@ class Migrate(Scenario):
         harness.runner(ctx, variant)
         plan = self.plan(p, guest_script(p, workload, variant.reporting),
                          f"migrate-{workload}-{'flush' if variant.reporting else 'resident'}",
-                         cpu=p.cpu or None, smp=p.smp,
-                         timeout_s=max(p.timeout_s, p.compile_timeout_s)
-                         if workload == "compile" else p.timeout_s)
+                         cpu=p.cpu or None, smp=p.smp, footprint_s=1.0,
+                         timeout_s=max(timeout(p), p.compile_timeout_s)
+                         if workload == "compile" else timeout(p))
         port = free_port()
         tag = f"migrate-{mode}-{workload}-{variant.name}-{rnd}"
         # short names: a socket's path must fit sun_path (108 bytes)
@@ -456,6 +466,8 @@ class Migrate(Scenario):
             if warnings:
                 raise end.booted.error(f"kernel warned: {warnings[0].strip()}")
         ram = info.get("ram", {})
+        peak_mib = [max((s.bytes for s in end.booted.footprint), default=0) / MIB
+                    for end in (src, dst)]
         return {
             "total_time_ms": info.get("total-time"),
             "downtime_ms": info.get("downtime"),
@@ -463,6 +475,9 @@ class Migrate(Scenario):
             "transferred_mib": ram.get("transferred", 0) / MIB,
             "used_mib": used_kib / 1024,
             "dst_free_mib": dst_free_kib / 1024,
+            # the most the host backed for each end (VmRSS, sampled each second)
+            "src_peak_rss_mib": peak_mib[0],
+            "dst_peak_rss_mib": peak_mib[1],
             "normal_pages": ram.get("normal"),
             "zero_pages": ram.get("duplicate"),
             "dirty_sync_count": ram.get("dirty-sync-count"),
@@ -492,6 +507,10 @@ class Migrate(Scenario):
                 raise LabError(f"migrate: {name} must be at least {least}, not "
                                f"{getattr(params, name)}")
         variants = harness.pick(self.name, "migrate", params.variants)
+        if not ctx.shell.dry_run:
+            # both ends at once, each writing its memmap and the fill
+            check_host_room("migrate", [(params.mem_mib, params.fill_mib)] * 2,
+                            host_available_mib())
         names = [v.name for v in variants]
         cells = [(m, w) for m in params.modes for w in params.workloads]
         results: dict[tuple[str, str], dict[str, list[dict]]] = {
@@ -511,6 +530,12 @@ class Migrate(Scenario):
                         continue
                     if rec:
                         results[(mode, workload)][v.name].append(rec)
+                        # each migration as it ends: a run cut short still says what it got
+                        print(f"migrate {mode}/{workload}/{v.name} round {rnd}: "
+                              f"total {rec['total_time_ms']} ms, downtime {rec['downtime_ms']} "
+                              f"ms, sent {rec['transferred_mib']:.0f} MiB, used "
+                              f"{rec['used_mib']:.0f} MiB, peak RSS {rec['src_peak_rss_mib']:.0f}"
+                              f" / {rec['dst_peak_rss_mib']:.0f} MiB", flush=True)
         if ctx.shell.dry_run:
             return Outcome(self.name, {}, "(dry run)")
         return self.report(ctx, params, names, results, failures)
