@@ -78,7 +78,8 @@ def cmd_series(args: argparse.Namespace, shell: Shell) -> int:
         return exported(kernel.export_stack(shell, tree, queue), kernel.QUEUES)
     if args.action == "build-each":
         arches = tuple(a for a in args.arch.split(",") if a)
-        return report([prefixbuild.build_each(shell, queue, arches, not args.no_kunit)])
+        return report([prefixbuild.build_each(shell, queue, arches, not args.no_kunit,
+                                              args.start)])
     # each series applies to pristine 6.12 after the series it requires; so
     # does the platform support of each arch
     queues = [kernel.QUEUES[args.queue]] if args.queue else [*kernel.QUEUES.values(),
@@ -363,6 +364,10 @@ def parser() -> argparse.ArgumentParser:
                    help="build-each: comma-separated arches to build at every patch")
     s.add_argument("--no-kunit", action="store_true",
                    help="build-each: do not run the UML KUnit suites where a patch changes them")
+    s.add_argument("--from", dest="start", metavar="PATCH",
+                   help="build-each: begin building at this patch (its number in the stack, or "
+                   "a unique part of its name such as prezero/0004); the ones before are "
+                   "applied unbuilt")
     s.set_defaults(func=cmd_series)
 
     q = sub.add_parser("qemu", help="QEMU patch series (qemu/): build, work tree, export, check")

@@ -104,23 +104,43 @@ def run_kunit(shell: Shell, out: Path, label: str) -> str:
     return done + "".join(f"; skipped {case} ({why})" for case, why in sorted(res.skipped.items()))
 
 
+def first_step(todo: list[Step], start: str) -> int:
+    """The index in `todo` of `start`: a 1-based number or a unique part of a label."""
+    if start.isdigit():
+        if not 1 <= int(start) <= len(todo):
+            raise LabError(f"--from {start}: the stack has patches 1 to {len(todo)}")
+        return int(start) - 1
+    hits = [i for i, step in enumerate(todo) if start in step.label]
+    if len(hits) != 1:
+        names = "\n  ".join(todo[i].label for i in hits)
+        raise LabError(f"--from {start!r} names {len(hits)} patches of the stack"
+                       + (f":\n  {names}" if hits else ""))
+    return hits[0]
+
+
 def build_each(shell: Shell, queue: kernel.Queue, arches: tuple[str, ...] = ARCHES,
-               with_kunit: bool = True) -> StageResult:
-    """Apply the stack of `queue` one patch at a time and build each prefix."""
-    finish = timed(f"build each patch of {queue.name} and what it requires ({', '.join(arches)})")
+               with_kunit: bool = True, start: str | None = None) -> StageResult:
+    """Apply the stack of `queue` one patch at a time and build each prefix.
+
+    With `start`, the patches before it are applied without a build (a run
+    that already built them need not do so again); builds begin there."""
+    first = first_step(steps(queue), start) if start else 0
+    finish = timed(f"build each patch of {queue.name} and what it requires ({', '.join(arches)})"
+                   + (f" from patch {first + 1}" if first else ""))
     base = kernel.base_tree(shell)
     src = paths.cache_dir() / "prefix" / kernel.base_version(shell)
     if shell.dry_run:
-        return _build_each(shell, queue, arches, with_kunit, base, src, finish)
+        return _build_each(shell, queue, arches, with_kunit, base, src, finish, first)
     # one tree for every worktree sharing the cache: a second run waits
     # instead of deleting the tree under the first one's compiler
     with buildcache.exclusive(src.with_name(src.name + ".lock"),
                               f"build-each: waiting for another build-each using {src}"):
-        return _build_each(shell, queue, arches, with_kunit, base, src, finish)
+        return _build_each(shell, queue, arches, with_kunit, base, src, finish, first)
 
 
 def _build_each(shell: Shell, queue: kernel.Queue, arches: tuple[str, ...], with_kunit: bool,
-                base: Path, src: Path, finish: Callable[..., StageResult]) -> StageResult:
+                base: Path, src: Path, finish: Callable[..., StageResult],
+                first: int = 0) -> StageResult:
     todo = steps(queue)
     if src.exists() and not shell.dry_run:
         shutil.rmtree(src)
@@ -141,11 +161,13 @@ def _build_each(shell: Shell, queue: kernel.Queue, arches: tuple[str, ...], with
     for i, step in enumerate(todo):
         shell.run(["patch", "-p1", "-N", "-s", "--no-backup-if-mismatch", "-d", src,
                    "-i", step.patch], what=f"{step.label} does not apply")
+        if i < first:
+            continue
         line = [f"[{i + 1}/{len(todo)}] {step.label}:"]
         try:
             for arch in arches:
                 t0 = time.monotonic()
-                _configure(shell, src, outs[arch], arch, first=i == 0)
+                _configure(shell, src, outs[arch], arch, first=i == first)
                 _make(shell, src, outs[arch], arch, step.label)
                 line.append(f"{arch} {time.monotonic() - t0:.0f} s")
             if with_kunit and "um" in arches and (touches_kunit(step.patch) or i == len(todo) - 1):
@@ -153,5 +175,6 @@ def _build_each(shell: Shell, queue: kernel.Queue, arches: tuple[str, ...], with
         except LabError as exc:
             return finish("failed", f"first failing patch: {step.label}\n{exc}")
         print(" ".join(line), flush=True)
-    return finish("ok", f"{len(todo)} patches, every prefix builds ({', '.join(arches)}) "
+    built = f"patches {first + 1}-{len(todo)} of {len(todo)}" if first else f"{len(todo)} patches"
+    return finish("ok", f"{built}, every prefix builds ({', '.join(arches)}) "
                   f"in {time.monotonic() - start:.0f} s")

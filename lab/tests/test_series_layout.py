@@ -144,6 +144,32 @@ def test_build_each_applies_every_patch_in_order_and_builds_each_prefix(capsys):
     assert out.count("kunit_shutdown=halt") >= len(kunit_patches)
 
 
+def test_build_each_from_a_patch_applies_the_ones_before_unbuilt(capsys):
+    """A run resumed at a patch applies every earlier patch, so the tree
+    is the same prefix, but builds only from that patch on."""
+    queue = kernel.queue_for("x86_64")
+    todo = prefixbuild.steps(queue)
+    res = prefixbuild.build_each(Shell(dry_run=True), queue, ("um",), with_kunit=False,
+                                 start="prezero/0004")
+    assert res.status == "ok", res.detail
+    out = "".join(capsys.readouterr())
+    first = next(i for i, s in enumerate(todo) if s.label.startswith("prezero/0004"))
+    applied = [a for a in re.findall(r"patch -p1 .* -i (\S+)", out)
+               if a in {str(s.patch) for s in todo}]
+    assert applied == [str(s.patch) for s in todo]
+    assert len(re.findall(r"ARCH=um .*-j\d", out)) == len(todo) - first
+    assert out.count("olddefconfig") == len(todo) - first
+    assert f"[{first + 1}/{len(todo)}] prezero/0004" in out and f"[{first}/" not in out
+    assert f"patches {first + 1}-{len(todo)} of {len(todo)}" in res.detail
+
+
+@pytest.mark.parametrize("start", ["0", "999", "/0001-", "no-such-patch"])
+def test_build_each_from_names_one_patch_or_says_why_not(start):
+    with pytest.raises(LabError, match=r"--from"):
+        prefixbuild.build_each(Shell(dry_run=True), kernel.queue_for("x86_64"), ("um",),
+                               start=start)
+
+
 def test_build_each_waits_for_another_build_each_before_it_clears_the_tree(tmp_path, monkeypatch):
     """Worktrees share one prefix tree in the cache: a second build-each
     must not delete it while the first one's compiler is using it."""
