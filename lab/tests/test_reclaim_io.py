@@ -45,6 +45,14 @@ def test_a_reporting_order_is_set_before_the_first_populate():
     assert lines.index(f"echo 6 > {knob}") < first
 
 
+def test_compaction_proactiveness_is_set_only_when_asked():
+    knob = "/proc/sys/vm/compaction_proactiveness"
+    assert knob not in io_script(ReclaimIoParams())
+    lines = io_script(ReclaimIoParams(compaction_proactiveness=100)).splitlines()
+    first = next(i for i, ln in enumerate(lines) if "populate --mib" in ln)
+    assert lines.index(f"echo 100 > {knob}") < first
+
+
 def test_the_workload_keeps_its_rate_and_says_what_it_did(tmp_path):
     """The workers on the host for about two seconds at 8 MiB/s in all."""
     p = ReclaimIoParams(io_mib_s=8, io_chunk_mib=1)
