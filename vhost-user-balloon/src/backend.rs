@@ -25,7 +25,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::chain::{Chain, ChainError};
 use crate::discard::{self, treat_range, Discarder, GuestMem, LogBitmap, Treatment};
-use crate::metrics::{add, bump, log_sparse, Metrics};
+use crate::metrics::{add, bump, log_sparse, Metrics, MetricsSnapshot};
 use crate::pool::{self, DiscardPool, InFlight, PoolError};
 use crate::ranges::{self, BalloonConfig, GuestRange, Plan, RegionInfo, RejectReason, Stat};
 use crate::shim::BackendChannel;
@@ -255,6 +255,17 @@ impl DeviceState {
         let mut c = self.lock().config;
         c.num_pages = self.target();
         c
+    }
+
+    /// The config space and the counters as of one moment. A config
+    /// write, taken or rejected, changes the one or bumps the other under
+    /// the state lock; reading both under it keeps a reply from counting a
+    /// rejected write that came after the config it shows.
+    pub fn config_and_counters(&self) -> (BalloonConfig, MetricsSnapshot) {
+        let g = self.lock();
+        let mut c = g.config;
+        c.num_pages = self.target();
+        (c, self.metrics.snapshot())
     }
 
     /// Negotiated virtio features (0 when no frontend is connected).

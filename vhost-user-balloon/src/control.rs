@@ -105,7 +105,7 @@ pub fn handle_line(state: &DeviceState, line: &str) -> String {
         Command::GetCounters => {
             let acked = state.acked_features();
             let (reported, inflate) = state.init_guarantees();
-            let cfg = state.config();
+            let (cfg, counters) = state.config_and_counters();
             json!({
                 "ok": true,
                 "connected": state.connected(),
@@ -122,7 +122,7 @@ pub fn handle_line(state: &DeviceState, line: &str) -> String {
                     "device_init_reported": reported,
                     "device_init_on_inflate": inflate,
                 },
-                "counters": state.metrics.snapshot(),
+                "counters": counters,
             })
         }
         Command::GetConfig => json!({"ok": true, "config": state.config()}),

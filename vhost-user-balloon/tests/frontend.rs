@@ -113,6 +113,49 @@ fn reporting_discards_and_hostile_ranges_are_rejected() {
     assert!(g.read(GPA + 13 * MIB, 4096).iter().all(|&b| b == 0xcd));
 }
 
+/// get_counters answers with the config space and the counters of one
+/// moment: a client that waits for a counter may read the config fields
+/// the same writes set. The frontend writes `actual` = i and then a
+/// rejected write, round after round, while the control socket is polled:
+/// no answer may count more rejected writes than the rounds its `actual`
+/// shows, or fewer than the rounds before it.
+#[test]
+fn counters_and_config_space_are_one_snapshot() {
+    const ROUNDS: u32 = 2000;
+    let d = start_daemon_with(
+        "snapshot",
+        &["--log-level", "error", "--initial-target", "1000"],
+    );
+    let mut g = Guest::connect(&d, None);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let poller = s.spawn(|| {
+            let mut answers = 0u32;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let c = control(&d, r#"{"cmd":"get_counters"}"#);
+                let actual = c["actual"].as_u64().unwrap();
+                let rejects = c["counters"]["config_write_rejects"].as_u64().unwrap();
+                assert!(
+                    rejects <= actual && actual <= rejects + 1,
+                    "torn answer after {answers}: actual {actual}, rejected writes {rejects}"
+                );
+                answers += 1;
+            }
+            answers
+        });
+        for i in 1..=ROUNDS {
+            g.fe.set_config(4, VhostUserConfigFlags::WRITABLE, &i.to_le_bytes())
+                .unwrap();
+            g.fe.set_config(0, VhostUserConfigFlags::WRITABLE, &1u32.to_le_bytes())
+                .unwrap();
+        }
+        let c = wait_counters(&d, |c| c["counters"]["config_write_rejects"] == ROUNDS);
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(c["actual"], ROUNDS);
+        assert!(poller.join().expect("poller") > 0);
+    });
+}
+
 #[test]
 fn inflate_stats_config_and_target_over_socket_channel() {
     let d = start_daemon("inflate", &[]);
