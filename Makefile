@@ -40,7 +40,7 @@ test-rt: deps
 
 # the Debian 12 guest (cached image, its own kernel build): reporting under file I/O
 test-debian: deps
-	$(VENV)/bin/pytest -q -m gate -k debian lab/tests/test_reporting.py
+	$(VENV)/bin/pytest -q -m "slow or gate" -k debian lab/tests/test_reporting.py
 
 test: deps host lint test-lab test-guest test-kernel test-qemu test-backend test-boot
 	@echo "make test: all passed"

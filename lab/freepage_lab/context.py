@@ -94,8 +94,6 @@ class RunContext:
         want_patched = self.patched if patched is None else patched
         fragments = (self.extra_fragments if want_patched else
                      tuple(f for f in self.extra_fragments if f in kernel.STOCK_FRAGMENTS))
-        fragments = (*self.machine.kernel_fragments,
-                     *(f for f in fragments if f not in self.machine.kernel_fragments))
         spec = kernel.BuildSpec(self.arch, self.variant, want_patched, fragments, extra_patches,
                                 series_patches)
         if spec.label not in self._kernels:

@@ -74,9 +74,6 @@ class Platform:
     # a Debian 12 root (debroot.guest_image) on a virtio-blk disk, which the
     # initramfs' init mounts and runs the script in
     root: str = ""
-    # config fragments (kernel/configs) of every kernel booted here, stock
-    # and series alike: what the platform's devices and root need
-    kernel_fragments: tuple[str, ...] = ()
 
     @property
     def thp(self) -> bool:
@@ -98,7 +95,7 @@ PLATFORMS: dict[str, Platform] = {p.name: p for p in (
     Platform("qemu-debian", "x86_64", "qemu", ("4k", "thp", "hugetlb", "hugetlb-1g"),
              patched_qemu=True, icount="shift=0,sleep=off",
              about="QEMU x86_64 with a Debian 12 root on virtio-blk",
-             root="debian", kernel_fragments=("debian-guest.config",)),
+             root="debian"),
     Platform("arm64", "arm64", "arm64", ("4k", "thp", "hugetlb"), icount="shift=0",
              about="qemu-system-aarch64 with EL2: the guest runs KVM"),
 )}

@@ -111,9 +111,8 @@ DEBIAN_IO_RELEASED = 0.4
 DEBIAN_IO = ReclaimIoParams(io_mib_s=32, io_chunk_mib=4)
 
 
-# outside make test for now: the Debian guest needs its own x86_64 kernel
-# build (kernel/configs/debian-guest.config: block layer, virtio-blk, ext4),
-# about 30 minutes of a cold run; `make test-debian` runs it
+# outside make test (`make test-debian` runs it beside the one below): the
+# Debian guest's boot in make test is the held-passes test
 @pytest.mark.gate
 def test_debian_guest_reads_and_writes_files_and_gets_its_free_back_when_the_io_stops(lab):
     """The Debian guest (Debian 12 root on virtio-blk, the lab's init) reads
@@ -140,7 +139,8 @@ def test_debian_guest_reads_and_writes_files_and_gets_its_free_back_when_the_io_
 DEBIAN_IO_HELD_MAX = 10
 
 
-@pytest.mark.gate
+# in make test: the Debian guest boots the QEMU platform's kernel, so this
+# costs the cached image and one boot
 @pytest.mark.skipif(not PATCHED, reason="held passes are the series' counter")
 def test_debian_guest_doing_file_io_holds_no_report(lab):
     """File I/O moves page cache through the allocator at a few times its

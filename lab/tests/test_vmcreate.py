@@ -201,8 +201,8 @@ def test_dry_run_boots_stock_and_series_under_icount(capsys, tmp_path, monkeypat
     # vanilla, off, on, twice; no balloon (pre-zeroing may take every order)
     assert len(boots) == 6 and not any("virtio-balloon" in b for b in boots)
     assert all("-icount shift=0,sleep=off" in b and "-m 1536M" in b for b in boots)
-    assert sum("x86_64-release-vanilla+debian-guest+bench" in b for b in boots) == 2
-    assert sum("x86_64-release-patched+debian-guest+bench" in b for b in boots) == 4
+    assert sum("x86_64-release-vanilla+bench" in b for b in boots) == 2
+    assert sum("x86_64-release-patched+bench" in b for b in boots) == 4
 
 
 def test_parameters_from_the_command_line(capsys, tmp_path, monkeypatch):
