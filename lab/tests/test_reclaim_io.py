@@ -52,6 +52,9 @@ def test_compaction_proactiveness_is_set_only_when_asked():
     lines = io_script(ReclaimIoParams(compaction_proactiveness=100)).splitlines()
     first = next(i for i, ln in enumerate(lines) if "populate --mib" in ln)
     assert lines.index(f"echo 100 > {knob}") < first
+    for bad in (-2, 101):
+        with pytest.raises(LabError, match="0 to 100"):
+            io_script(ReclaimIoParams(compaction_proactiveness=bad))
 
 
 def test_the_workload_keeps_its_rate_and_says_what_it_did(tmp_path):

@@ -77,9 +77,9 @@ class ReclaimParams:
     # the smallest order reported (page_reporting_order), set before the
     # first round, stock and series alike; -1: the driver's (pageblock order)
     reporting_order: int = -1
-    # vm.compaction_proactiveness for the whole boot (0-100; kcompactd then
-    # compacts in the background whenever that much of the free memory is
-    # in blocks below pageblock order); -1: the kernel's default (20)
+    # vm.compaction_proactiveness for the whole boot (0-100: the higher, the
+    # less fragmentation of free memory kcompactd lets stand before it
+    # compacts in the background); -1: the kernel's default (20)
     compaction_proactiveness: int = -1
     # series only: print the reporting counters every N ms through the
     # boot (a diagnostic: the sampler costs the guest some CPU); 0: off
@@ -99,6 +99,9 @@ def guest_script(p: ReclaimParams) -> str:
         lines.append(pcp_high_fraction(p.pcp_high_fraction))
     if p.reporting_order >= 0:
         lines.append(f"echo {p.reporting_order} > {REPORTING_ORDER}")
+    if not -1 <= p.compaction_proactiveness <= 100:
+        raise LabError(f"compaction_proactiveness={p.compaction_proactiveness}: the kernel "
+                       "takes 0 to 100 (-1: leave its default)")
     if p.compaction_proactiveness >= 0:
         lines.append(f"echo {p.compaction_proactiveness} > /proc/sys/vm/compaction_proactiveness")
     if p.trace_ms:
