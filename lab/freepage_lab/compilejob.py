@@ -13,7 +13,7 @@ tree with only those files and a Makefile of one rule per object:
     /build/linux/out/        the configured objtree: generated headers,
                              Makefile, `objs` (the objects, one a line)
 
-so the guest needs gcc and make alone (debroot.GUEST_ROOT). In the guest,
+so the guest needs gcc and make alone (debroot.TOOLS_ROOT). In the guest,
 `make -j2 $(head -n N objs)` compiles the first N objects; `compile_shell()`
 is the guest's shell function that times one such compile with GNU time
 and prints one JSON line (prog "compile").

@@ -45,6 +45,9 @@ class RunContext:
     # test-only patches (qemu/bench/) on top of the patched QEMU: a
     # baseline that takes one change back out
     qemu_extra_patches: tuple[str, ...] = ()
+    # platforms with a Debian root: the root with the workloads' tools
+    # (debroot.TOOLS_ROOT and the compile's tree), not the base one
+    root_tools: bool = False
     # what is built once per run, shared by the contexts on() makes
     _kernels: dict[str, kernel.BuiltKernel] = field(default_factory=dict)
     _qemu: dict[str, Path] = field(default_factory=dict)
@@ -136,13 +139,17 @@ class RunContext:
 
     def root_disk(self) -> Path | None:
         """The platform's root disk image (built once, cached), None without
-        one; the Debian root carries the compile workload's tree (compilejob)."""
+        one: Debian's base root, or with `root_tools` the one that carries
+        gcc, make, Debian's QEMU and the compile workload's tree (compilejob)."""
         if not self.machine.root:
             return None
-        if "root" not in self._root_disk:
-            self._root_disk["root"] = debroot.guest_image(
-                self.shell, trees=(compilejob.tree(self.shell),))
-        return self._root_disk["root"]
+        kind = "tools" if self.root_tools else "base"
+        if kind not in self._root_disk:
+            self._root_disk[kind] = (
+                debroot.guest_image(self.shell, debroot.TOOLS_ROOT,
+                                    trees=(compilejob.tree(self.shell),))
+                if self.root_tools else debroot.guest_image(self.shell))
+        return self._root_disk[kind]
 
     def log(self, name: str) -> Path:
         return self.run_dir / "logs" / f"{name}.log"

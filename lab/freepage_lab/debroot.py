@@ -88,13 +88,16 @@ class Root:
         return h.hexdigest()[:16]
 
 
-# The Debian guest: Debian's essential and required packages (coreutils'
-# dd, mount, util-linux: what the I/O workload runs), gcc, make and GNU
-# time for the compile workload (compilejob), and Debian's QEMU
-# (qemu-system-x86, no Recommends) for the VM the guest starts itself
-# (scenarios/vmcreate). No init system: the lab's initramfs init runs the
-# script in this root.
-GUEST_ROOT = Root("minbase", ("gcc", "make", "time", "qemu-system-x86"))
+# The Debian guest: Debian's essential packages (coreutils' dd,
+# util-linux), what the file I/O workload runs. No init system: the lab's
+# initramfs init runs the script in this root.
+GUEST_ROOT = Root("minbase")
+# The same root with the tools the heavier workloads need: gcc, make and
+# GNU time for the compile (compilejob), Debian's QEMU (qemu-system-x86,
+# no Recommends) for the VM the guest starts itself (scenarios/vmcreate).
+# A root of its own, so that a guest doing file I/O alone (the one make
+# test boots) waits for no compiler or QEMU to be installed.
+TOOLS_ROOT = Root("minbase", ("gcc", "make", "time", "qemu-system-x86"))
 # free space on the guest's root disk for the workload's files, MiB
 GUEST_FREE_MIB = 1024
 

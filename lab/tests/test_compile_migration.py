@@ -193,6 +193,20 @@ def test_the_compile_workload_needs_the_debian_guest(capsys) -> None:
     assert "--platform qemu-debian" in capsys.readouterr().err
 
 
+def test_the_compile_workload_boots_the_root_with_the_compiler(capsys, tmp_path,
+                                                             monkeypatch) -> None:
+    """gcc, make and the compile's tree come with the tools root, which the
+    base root (file I/O alone) does without."""
+    monkeypatch.setenv("FREEPAGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("FREEPAGE_RUNS", str(tmp_path / "runs"))
+    argv = [*dryrun.argv("migrate", "qemu-debian", ()), "--accel", "tcg", "--param",
+            "workloads=compile", "--param", "rounds=1"]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    debstrap = [ln for ln in err.splitlines() if "mmdebstrap" in ln]
+    assert len(debstrap) == 1 and "--include=gcc,make,time,qemu-system-x86" in debstrap[0]
+
+
 @pytest.mark.parametrize("bad", ["smp=0", "compile_jobs=0", "compile_objs=-1",
                                  "compile_lead_s=-2"])
 def test_impossible_compile_settings_are_refused_before_anything_boots(capsys, bad) -> None:

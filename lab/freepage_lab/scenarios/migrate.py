@@ -501,6 +501,9 @@ class Migrate(Scenario):
         if rooted and not ctx.machine.root:
             raise LabError(f"migrate: workload {rooted[0]} runs in the Debian guest: "
                            "--platform qemu-debian")
+        if rooted:
+            # gcc, make and the compile's tree come with the tools root
+            ctx = ctx.on(ctx.platform, root_tools=True)
         for name, least in (("smp", 1), ("compile_jobs", 1), ("compile_objs", 0),
                             ("compile_lead_s", 0)):
             if getattr(params, name) < least:

@@ -244,6 +244,8 @@ class Vmcreate(Scenario):
 
     def run(self, ctx: RunContext, params: VmcreateParams) -> Outcome:
         check_params(params)
+        # Debian's QEMU comes with the tools root
+        ctx = ctx.on(ctx.platform, root_tools=True)
         icount = counts_instructions(ctx, params.icount)
         if icount:
             harness.check_icount(ctx, self.name)
