@@ -57,6 +57,17 @@ def test_compaction_proactiveness_is_set_only_when_asked():
             io_script(ReclaimIoParams(compaction_proactiveness=bad))
 
 
+def test_compaction_after_the_free_only_when_asked():
+    knob = "echo 1 > /proc/sys/vm/compact_memory"
+    assert knob not in io_script(ReclaimIoParams())
+    lines = io_script(ReclaimIoParams(compact_after_free=1)).splitlines()
+    freed = next(i for i, ln in enumerate(lines) if ln.endswith(" freed 0"))
+    # at once after the free, before the settle the release is timed over
+    assert lines[freed + 1] == knob and lines[freed + 2].startswith("sleep ")
+    with pytest.raises(LabError, match="0 or 1"):
+        io_script(ReclaimIoParams(compact_after_free=2))
+
+
 def test_the_workload_keeps_its_rate_and_says_what_it_did(tmp_path):
     """The workers on the host for about two seconds at 8 MiB/s in all."""
     p = ReclaimIoParams(io_mib_s=8, io_chunk_mib=1)

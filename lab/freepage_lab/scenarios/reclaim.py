@@ -81,6 +81,10 @@ class ReclaimParams:
     # less fragmentation of free memory kcompactd lets stand before it
     # compacts in the background); -1: the kernel's default (20)
     compaction_proactiveness: int = -1
+    # 1: compact every zone (vm.compact_memory) right after each free, so
+    # that reporting finds the pageblocks the free left mostly empty whole
+    # (what a compaction aimed at them would get at best); 0: no
+    compact_after_free: int = 0
     # series only: print the reporting counters every N ms through the
     # boot (a diagnostic: the sampler costs the guest some CPU); 0: off
     trace_ms: int = 0
@@ -104,6 +108,8 @@ def guest_script(p: ReclaimParams) -> str:
                        "takes 0 to 100 (-1: leave its default)")
     if p.compaction_proactiveness >= 0:
         lines.append(f"echo {p.compaction_proactiveness} > /proc/sys/vm/compaction_proactiveness")
+    if p.compact_after_free not in (0, 1):
+        raise LabError(f"compact_after_free={p.compact_after_free}: 0 or 1")
     if p.trace_ms:
         lines += [reporting_snapshot(), reporting_tracer(p.trace_ms)]
     for i, mode in enumerate(rounds_of(p)):
@@ -112,6 +118,7 @@ def guest_script(p: ReclaimParams) -> str:
             f"echo {EVENT} populate {i}",
             f"populate --mib {p.populate_mib} --mode {mode} --fill {p.fill} --tag reclaim",
             f"echo {EVENT} freed {i}",
+            *(["echo 1 > /proc/sys/vm/compact_memory"] if p.compact_after_free else []),
             f"sleep {p.settle_s}",
             f"memstate 'settled {i}'",
         ]
