@@ -233,6 +233,7 @@ REFUSED_SHAPES = (
     (r"\b__folio_alloc_zeroed\b", "an allocation entry point of its own"),
     (r"\bvma_alloc_folio_zeroed\b", "an allocation entry point of its own"),
     (r"\bcheck_new_page\(struct page \*page,", "an exemption in check_new_page()"),
+    (r"\bpage->index\s*[|&]?=(?!=)", "sub-block state in page->index of free pages"),
 )
 
 
