@@ -25,6 +25,8 @@ from . import paths
 from .shell import Shell
 
 DONE = ".freepage-done"
+# the compiler front of cached builds (see its header)
+CCACHE_FRONT = Path(__file__).with_name("ccache-front")
 
 
 @dataclass(frozen=True)
@@ -57,13 +59,28 @@ def ccache_env() -> dict[str, str] | None:
     default ccache runs the preprocessor once more on a miss, to hash its
     output, which made a cold UML build take 261 s against 182 s without
     ccache; 206 s in depend mode. Hits are direct-mode hits, as 97% of
-    them were before.
+    them were before. Assembler sources are compiled in preprocessor mode
+    (cached_compiler()): no dependency file lists an .incbin.
     """
     if shutil.which("ccache") is None:
         return None
     cache = paths.cache_dir()
     return {"CCACHE_DIR": str(cache / "ccache"), "CCACHE_BASEDIR": str(cache),
             "CCACHE_NOHASHDIR": "1", "CCACHE_MAXSIZE": "8G", "CCACHE_DEPEND": "1"}
+
+
+def cached_compiler(compiler: str) -> str:
+    """`compiler` through ccache, for kbuild's CC= and meson's CC: C in
+    depend mode, assembler sources in preprocessor mode (ccache-front)."""
+    return f"{CCACHE_FRONT} {compiler}"
+
+
+def recipe_digest() -> bytes:
+    """What a build's key holds beside its sources and configuration: the
+    compiler front. Builds made through an earlier front may hold a stale
+    object (an x86 bzImage with the kernel of another build), so changing
+    the front makes every build afresh (ccache still serves its C)."""
+    return CCACHE_FRONT.read_bytes()
 
 
 Source = Callable[[], Path]

@@ -90,7 +90,19 @@ class RunContext:
         if "patched" not in self._qemu:
             self._qemu["patched"] = qemu_mod.build(
                 self.shell, extra_patches=self.qemu_extra_patches).binary
+            self._record_builds()
         return self._qemu["patched"]
+
+    def _record_builds(self) -> None:
+        """builds.json in the run directory: the build each kernel and QEMU
+        of the run came from (its cache directory, named by its key), so a
+        figure can be traced to the sources it ran."""
+        if self.shell.dry_run:
+            return
+        builds = {f"kernel {label}": str(built.out_dir) for label, built in self._kernels.items()}
+        builds.update({f"qemu {label}": str(binary) for label, binary in self._qemu.items()})
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "builds.json").write_text(json.dumps(builds, indent=1, sort_keys=True) + "\n")
 
     def kernel(self, patched: bool | None = None, extra_patches: tuple[str, ...] = (),
                series_patches: int = 0) -> Path:
@@ -101,6 +113,7 @@ class RunContext:
                                 series_patches)
         if spec.label not in self._kernels:
             self._kernels[spec.label] = kernel.build(self.shell, spec)
+            self._record_builds()
         return self._kernels[spec.label].image
 
     def uneven_kernels(self) -> str | None:

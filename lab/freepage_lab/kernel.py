@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Self
 
 from . import buildcache, patchqueue, paths, platforms
-from .buildcache import ccache_env
+from .buildcache import cached_compiler, ccache_env, recipe_digest
 from .shell import LabError, Shell, StageResult, timed
 
 ARCHES = tuple(platforms.ARCHES)
@@ -291,6 +291,7 @@ def build_key(spec: BuildSpec, version: str, series: Series) -> str:
     h.update(f"{version}\0{spec.arch}\0{BASE_CONFIG}\0{spec.variant}\0".encode())
     # a stock kernel with test-only patches is keyed by those patches too
     h.update((series.digest() if spec.patched or series.names else "vanilla").encode())
+    h.update(recipe_digest())
     for frag in spec.fragments():
         h.update(frag.name.encode() + b"\0" + frag.read_bytes())
     return h.hexdigest()[:16]
@@ -303,7 +304,7 @@ def make_argv(src: Path, out: Path, arch: str, *targets: str, jobs: int | None =
     if cross:
         argv.append(f"CROSS_COMPILE={cross}")
     if ccache:
-        argv += [f"CC=ccache {cross}gcc", "HOSTCC=ccache gcc"]
+        argv += [f"CC={cached_compiler(cross + 'gcc')}", f"HOSTCC={cached_compiler('gcc')}"]
     if jobs:
         argv.append(f"-j{jobs}")
     return argv + list(targets)

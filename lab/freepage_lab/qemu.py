@@ -290,7 +290,7 @@ def _make(shell: Shell, series: Series, src: Path, out: Path, binary: Path) -> b
     """Configure and build into `out`; False on a dry run (nothing built)."""
     env = buildcache.ccache_env() or {}
     if env:
-        env = {**env, "CC": "ccache gcc", "CXX": "ccache g++"}
+        env = {**env, "CC": buildcache.cached_compiler("gcc"), "CXX": buildcache.cached_compiler("g++")}
     shell.run(configure_argv(src), cwd=out, env=env, log=out / "configure.log",
               what="configure QEMU")
     shell.run(["nice", "-n", "5", "ninja", "-C", out, BINARY_NAME], env=env,

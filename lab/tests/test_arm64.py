@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from freepage_lab import kernel, paths, selftests
+from freepage_lab import buildcache, kernel, paths, selftests
 from freepage_lab.context import RunContext
 from freepage_lab.runners import Arm64Runner, GuestConfig, make_runner
 from freepage_lab.shell import LabError, Shell
@@ -43,7 +43,8 @@ def test_arm64_refuses_kvm_and_auto_means_tcg():
 def test_arm64_make_cross_compiles_with_ccache():
     argv = kernel.make_argv(Path("/s"), Path("/o"), "arm64", "olddefconfig", ccache=True)
     assert "ARCH=arm64" in argv and "CROSS_COMPILE=aarch64-linux-gnu-" in argv
-    assert "CC=ccache aarch64-linux-gnu-gcc" in argv and "HOSTCC=ccache gcc" in argv
+    front = buildcache.CCACHE_FRONT
+    assert f"CC={front} aarch64-linux-gnu-gcc" in argv and f"HOSTCC={front} gcc" in argv
     assert not any(a.startswith("CROSS_COMPILE") for a in
                    kernel.make_argv(Path("/s"), Path("/o"), "x86_64"))
 

@@ -1,5 +1,10 @@
 import ast
+import os
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from freepage_lab import buildcache
 from freepage_lab.shell import Shell
@@ -62,3 +67,51 @@ def test_the_kernel_names_stay_importable():
     from freepage_lab import kernel, patchqueue, prefixbuild
     assert kernel.Series.stacked and kernel.QUEUES and kernel.stack and prefixbuild.build_each
     assert issubclass(kernel.Series, patchqueue.Series)
+
+
+def _compile_twice(tmp_path: Path, monkeypatch, source_name: str, text: str) -> list[bytes]:
+    """Compile `text` twice through the lab's cached compiler, with the file
+    it embeds changed in between; the two objects' .rodata."""
+    if shutil.which("ccache") is None:
+        pytest.skip("ccache is not installed (make test installs it)")
+    monkeypatch.setattr(buildcache.paths, "cache_dir", lambda: tmp_path / "cache")
+    env = {**os.environ, **(buildcache.ccache_env() or {})}
+    (tmp_path / source_name).write_text(text)
+    got = []
+    for data in (b"first image\n", b"other image\n"):
+        (tmp_path / "image.bin").write_bytes(data)
+        argv = [*buildcache.cached_compiler("gcc").split(), "-Wp,-MMD,obj.d", "-c", f"./{source_name}",
+                "-o", "obj.o"]
+        subprocess.run(argv, cwd=tmp_path, env=env, check=True)
+        subprocess.run(["objcopy", "-O", "binary", "-j", ".rodata", "obj.o", "rodata.bin"],
+                       cwd=tmp_path, env=env, check=True)
+        got.append((tmp_path / "rodata.bin").read_bytes())
+    return got
+
+
+def test_an_assembler_incbin_is_not_served_from_the_cache(tmp_path, monkeypatch):
+    """x86's compressed kernel is an .incbin of piggy.S. Through ccache in
+    depend mode (which keys a compile on the files the compiler's
+    dependency output lists, and .incbin is not one) a bzImage came back
+    with the kernel of an earlier build of the same sizes: the lab booted
+    the kernel of another series version than the one it had built."""
+    got = _compile_twice(tmp_path, monkeypatch, "piggy.S",
+                         '.section .rodata\n.incbin "image.bin"\n')
+    assert got == [b"first image\n", b"other image\n"]
+
+
+def test_the_kernel_configuration_blob_is_not_served_from_the_cache(tmp_path, monkeypatch):
+    """kernel/configs.c embeds the configuration with an inline .incbin."""
+    (tmp_path / "kernel").mkdir()
+    got = _compile_twice(tmp_path, monkeypatch, "kernel/configs.c",
+                         'asm(".section .rodata\\n.incbin \\"image.bin\\"\\n.previous");\n')
+    assert got == [b"first image\n", b"other image\n"]
+
+
+def test_c_is_still_served_from_the_cache_when_unchanged(tmp_path, monkeypatch):
+    got = _compile_twice(tmp_path, monkeypatch, "unit.c", 'const char s[] = "c source";\n')
+    assert got[0] == got[1] and b"c source" in got[0]
+    stats = subprocess.run(["ccache", "--print-stats"], capture_output=True, text=True,
+                           env={**os.environ, **(buildcache.ccache_env() or {})}).stdout
+    hits = {k: int(v) for k, v in (ln.split("\t") for ln in stats.splitlines() if "\t" in ln)}
+    assert hits.get("direct_cache_hit", 0) == 1, stats

@@ -7,13 +7,14 @@ scenario runs up to its first boot's checks without a kernel.
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from freepage_lab import harness, paths, scenarios
+from freepage_lab import harness, kernel, paths, scenarios
 from freepage_lab.backend import BalloonBackend
 from freepage_lab.context import RunContext
 from freepage_lab.guest import Guest, GuestError
@@ -167,3 +168,24 @@ def test_a_scenario_plan_takes_the_guest_size_from_the_parameters():
     plan = scenarios.Scenario.plan(p, "true\n", "z", mem_mib=256, marks=("a",))
     assert (plan.mem_mib, plan.timeout_s, plan.initrd, plan.marks) == (256, 30, "z", ("a",))
     assert scenarios.Scenario.plan(p, "true\n", "z").mem_mib == 512
+
+
+def test_a_run_records_the_build_of_each_kernel_it_boots(tmp_path, monkeypatch):
+    """A run directory names the cache directory of every kernel it used:
+    a figure can be traced to its build (a bzImage once came back from
+    ccache with another build's kernel, and no run said which it booted)."""
+    built = []
+
+    def build(shell, spec):
+        out = tmp_path / "cache" / f"{spec.label}-0123456789abcdef"
+        built.append(out)
+        return kernel.BuiltKernel(spec, out, out / "bzImage", "0123456789abcdef")
+
+    monkeypatch.setattr(kernel, "build", build)
+    ctx = RunContext(shell=Shell(quiet=True), run_dir=tmp_path / "run", platform="qemu")
+    ctx.kernel()
+    ctx.on("qemu", patched=True).kernel()
+    ctx.kernel()
+    record = json.loads((tmp_path / "run" / "builds.json").read_text())
+    assert record == {"kernel x86_64-release-vanilla": str(built[0]),
+                      "kernel x86_64-release-patched": str(built[1])}
