@@ -4,7 +4,7 @@
 
 use std::io::{self, BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
@@ -156,14 +156,9 @@ fn serve_client(state: &DeviceState, stream: UnixStream) -> io::Result<()> {
 
 use std::io::Read as _;
 
-/// Binds the control socket and serves it from a background thread, one
-/// thread per client. The caller removed a stale socket at `path` (and
-/// nothing else: see `server::run`).
-pub fn spawn(path: &Path, state: Arc<DeviceState>) -> Result<(), ControlError> {
-    let listener = UnixListener::bind(path).map_err(|source| ControlError::Bind {
-        path: path.to_path_buf(),
-        source,
-    })?;
+/// Serves the control socket `listener` (see `server::listen_at`) from a
+/// background thread, one thread per client.
+pub fn spawn(listener: UnixListener, state: Arc<DeviceState>) -> Result<(), ControlError> {
     thread::Builder::new()
         .name("control".into())
         .spawn(move || {

@@ -6,7 +6,7 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread;
 
 use log::{error, info, warn};
@@ -93,14 +93,55 @@ fn claim_socket_path(path: &Path) -> Result<(), ServerError> {
     }
 }
 
-fn install_signal_handler(paths: Vec<PathBuf>) -> Result<(), ServerError> {
+/// Bytes of a UNIX socket path, the terminating NUL excluded.
+const SUN_PATH_MAX: usize = 107;
+
+/// A listening socket that appears at `path` only once it accepts: it is
+/// bound (and listens) under a temporary name in the same directory, then
+/// hard-linked to `path` and the temporary name removed. A supervisor that
+/// waits for the file therefore never meets a socket that refuses
+/// connections. The link fails if something appeared at `path` since
+/// `claim_socket_path`: what is there stays.
+fn listen_at(path: &Path) -> io::Result<UnixListener> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let tmp = dir.join(format!(".{}", std::process::id()));
+    if tmp.as_os_str().len() > SUN_PATH_MAX {
+        // no room for the temporary name: bind in place (the socket then
+        // exists a moment before it accepts)
+        return UnixListener::bind(path);
+    }
+    // a socket of an earlier process with this pid (killed between its bind
+    // and its link) is stale; anything else there is an error
+    if let Ok(m) = std::fs::symlink_metadata(&tmp) {
+        if !m.file_type().is_socket() {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("{} exists and is not a socket", tmp.display()),
+            ));
+        }
+        std::fs::remove_file(&tmp)?;
+    }
+    let listener = UnixListener::bind(&tmp)?;
+    let linked = std::fs::hard_link(&tmp, path);
+    let _ = std::fs::remove_file(&tmp);
+    linked.map(|()| listener)
+}
+
+/// Removes the socket files in `published` (those this process created so
+/// far) on SIGTERM/SIGINT and exits with status 0. Installed before the first
+/// socket appears.
+fn install_signal_handler(published: Arc<Mutex<Vec<PathBuf>>>) -> Result<(), ServerError> {
     let mut signals = Signals::new([SIGTERM, SIGINT]).map_err(ServerError::Signals)?;
     thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
             if let Some(sig) = signals.forever().next() {
                 info!("signal {sig}: shutting down");
-                for p in &paths {
+                let paths = published.lock().unwrap_or_else(|e| e.into_inner());
+                for p in paths.iter() {
                     let _ = std::fs::remove_file(p);
                 }
                 std::process::exit(0);
@@ -190,16 +231,29 @@ pub fn run(config: Config) -> Result<(), ServerError> {
         );
         Arc::new(DelayedDiscarder::new(discarder, config.discard_delay))
     };
-    let listener = UnixListener::bind(&config.socket_path).map_err(|source| ServerError::Bind {
+    // The control socket first: once the vhost-user socket exists, both
+    // accept (see `listen_at`).
+    let published = Arc::new(Mutex::new(Vec::new()));
+    install_signal_handler(published.clone())?;
+    if let Some(c) = &config.control_socket {
+        let l = listen_at(c).map_err(|source| ControlError::Bind {
+            path: c.clone(),
+            source,
+        })?;
+        published
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(c.clone());
+        control::spawn(l, state.clone())?;
+    }
+    let listener = listen_at(&config.socket_path).map_err(|source| ServerError::Bind {
         path: config.socket_path.clone(),
         source,
     })?;
-    let mut paths = vec![config.socket_path.clone()];
-    if let Some(c) = &config.control_socket {
-        control::spawn(c, state.clone())?;
-        paths.push(c.clone());
-    }
-    install_signal_handler(paths)?;
+    published
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(config.socket_path.clone());
     info!(
         "listening on {} (virtio-balloon, offered features {:#x}, {} discard thread(s))",
         config.socket_path.display(),
@@ -241,6 +295,18 @@ mod tests {
         Config::try_from(Args::try_parse_from(all).unwrap()).unwrap()
     }
 
+    /// The socket and control paths in `d`, and a config for both.
+    fn with_control(d: &Path) -> (PathBuf, PathBuf, Config) {
+        let (sock, ctl) = (d.join("balloon.sock"), d.join("balloon.ctl"));
+        let c = config(&[
+            "-s",
+            sock.to_str().unwrap(),
+            "--control-socket",
+            ctl.to_str().unwrap(),
+        ]);
+        (sock, ctl, c)
+    }
+
     /// Runs the daemon in a thread; its error if it ends within a second.
     fn run_briefly(config: Config) -> Option<String> {
         let (tx, rx) = mpsc::channel();
@@ -250,6 +316,27 @@ mod tests {
         rx.recv_timeout(Duration::from_secs(1))
             .ok()
             .map(|r| r.err().unwrap_or_default())
+    }
+
+    /// A supervisor (systemd, libvirt, the lab) starts the frontend as soon
+    /// as the vhost-user socket exists: by then both sockets must accept.
+    #[test]
+    fn both_sockets_accept_once_the_vhost_user_socket_exists() {
+        for round in 0..20 {
+            let (sock, ctl, c) = with_control(&dir(&format!("ready{round}")));
+            thread::spawn(move || run(c));
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while std::fs::symlink_metadata(&sock).is_err() {
+                assert!(std::time::Instant::now() < deadline, "no socket");
+                std::hint::spin_loop();
+            }
+            if let Err(e) = UnixStream::connect(&ctl) {
+                panic!("round {round}: control socket: {e}");
+            }
+            if let Err(e) = UnixStream::connect(&sock) {
+                panic!("round {round}: vhost-user socket: {e}");
+            }
+        }
     }
 
     #[test]
@@ -274,13 +361,7 @@ mod tests {
     #[test]
     fn a_regular_file_or_symlink_at_the_control_path_is_never_deleted() {
         let d = dir("control");
-        let (sock, ctl) = (d.join("balloon.sock"), d.join("balloon.ctl"));
-        let c = config(&[
-            "-s",
-            sock.to_str().unwrap(),
-            "--control-socket",
-            ctl.to_str().unwrap(),
-        ]);
+        let (sock, ctl, c) = with_control(&d);
         std::fs::write(&ctl, b"keep me").unwrap();
         let res = run_briefly(c.clone());
         assert_eq!(std::fs::read(&ctl).ok(), Some(b"keep me".to_vec()));
