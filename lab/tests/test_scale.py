@@ -3,12 +3,14 @@ timeouts that grow with a migrating guest's size."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from freepage_lab import harness
 from freepage_lab.guest import ConsoleLine
+from freepage_lab.guestshell import PREZERO_DIR, ZEROED_STAT
 from freepage_lab.initramfs import EVENT
 from freepage_lab.runners import check_host_room, host_backing_mib
 from freepage_lab.scenarios import get
@@ -21,6 +23,7 @@ from freepage_lab.scenarios.scale import (
     plot,
     prezero_cost,
     prezero_script,
+    prezero_stop_at,
     render,
     reporting_costs,
     reporting_script,
@@ -84,6 +87,29 @@ def test_prezero_script_caps_what_it_clears() -> None:
     assert "knob target_percent 1" in script and "knob cpu_percent 100" in script
     assert script.index("prezero start") < script.index("knob enabled 1") \
         < script.index("prezero_wait 60") < script.index("prezero end")
+    # and stops it itself at 512 MiB (131072 pages), whatever the target does
+    assert script.index("knob enabled 1") < script.index("-ge 131072") \
+        < script.index("prezero_wait 60")
+    unstopped = prezero_script(ScaleParams(prezero_mib=512, prezero_stop=False), 131072)
+    assert "-ge 131072" not in unstopped and "knob target_percent 1" in unstopped
+
+
+def test_the_stop_at_turns_pre_zeroing_off_past_its_share(tmp_path: Path) -> None:
+    """The guest's background stop, run by the host's sh against a fake
+    enabled file and counter that grows 64 MiB a second."""
+    enabled, stat = tmp_path / "enabled", tmp_path / "stat"
+    enabled.write_text("1\n")
+    stat.write_text("pgzero_marked_prezero 0\n")
+    snippet = (prezero_stop_at(128).replace(f"{PREZERO_DIR}/enabled", str(enabled))
+               .replace(ZEROED_STAT, str(stat)))
+    grow = (f"n=0; while [ \"$(cat {enabled})\" = 1 ] && [ $n -lt 20 ]; do sleep 0.5; "
+            f"n=$((n + 1)); echo \"pgzero_marked_prezero $((n * 8192))\" > {stat}; done")
+    out = subprocess.run(["sh", "-c", f"{snippet}\n{grow}\nwait"], capture_output=True,
+                         text=True, timeout=30)
+    assert enabled.read_text().strip() == "0", out
+    assert f"{EVENT} prezero stopped at 128 MiB" in out.stdout, out
+    # off at 32768 pages, within a second's growth past it
+    assert int(stat.read_text().split()[1]) <= 32768 + 2 * 8192, stat.read_text()
 
 
 def test_the_families_variants_boot_the_series_with_and_without_a_balloon() -> None:

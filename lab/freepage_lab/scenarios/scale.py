@@ -42,12 +42,14 @@ from ..context import RunContext
 from ..guest import ConsoleLine
 from ..guestshell import (
     BALLOON_BOUND,
+    PREZERO_DIR,
     flush_cmd,
     kcpu_function,
     kcpu_snapshot,
     prezero_helpers,
     reporting_snapshot,
     require_prezero,
+    zeroed_counter,
 )
 from ..initramfs import EVENT
 from ..procfs import host_available_mib
@@ -70,6 +72,9 @@ class ScaleParams:
     repeat: int = 3
     pool_mib: int = 512
     prezero_mib: int = 512
+    # turn pre-zeroing off once it cleared prezero_mib (prezero_stop_at()),
+    # whatever target_percent does: off only to test that target
+    prezero_stop: bool = True
     # seconds pre-zeroing may take to settle (prezero_wait)
     prezero_wait_s: int = 600
     icount: bool = False
@@ -136,6 +141,21 @@ def reporting_script(p: ScaleParams, mem_mib: int) -> str:
     ]) + "\n"
 
 
+def prezero_stop_at(mib: int) -> str:
+    """Guest shell, in the background while pre-zeroing runs: turn it off
+    once it marked `mib` more MiB zero (checked every second, so it may
+    clear up to a second's worth more), and say so. target_percent stops
+    it near there where the thread's count of known zero blocks reaches
+    the target; where it cannot (a target above what that count looks
+    at, 256 blocks per free list: 1 GiB of the largest order), the thread
+    would clear all free memory and the host back all of it."""
+    count = zeroed_counter("pgzero_marked_prezero")
+    on = f"{PREZERO_DIR}/enabled"
+    return (f"( base=$({count}); while [ \"$(cat {on})\" = 1 ]; do sleep 1; "
+            f"if [ $(( $({count}) - base )) -ge {mib * 256} ]; then "
+            f"echo 0 > {on}; echo \"{EVENT} prezero stopped at {mib} MiB\"; fi; done ) &")
+
+
 def prezero_script(p: ScaleParams, mem_mib: int) -> str:
     snap = kcpu_snapshot(f"{EVENT} prezero {{}}") + " $(vm)\""
     return "\n".join([
@@ -144,6 +164,7 @@ def prezero_script(p: ScaleParams, mem_mib: int) -> str:
         f"knob target_percent {target_percent(p.prezero_mib, mem_mib)}",
         snap.format("start"),
         "knob enabled 1",
+        *([prezero_stop_at(p.prezero_mib)] if p.prezero_stop else []),
         f"prezero_wait {p.prezero_wait_s}",
         snap.format("end"),
         "knob enabled 0",
