@@ -102,11 +102,15 @@ def test_qemu_gives_back_90_percent_of_4k_frees_within_5s(lab):
 
 
 # of a free in the Debian guest under I/O, what must be back on the host
-# within WITHIN_S of the I/O's end: not the idle guest's 90%, since the
-# I/O's allocations leave part of the free in blocks below the reporting
-# order (docs/results/page-reporting.md, reporting under file I/O: 55-69%
-# in two boots); without reporting nothing comes back
-DEBIAN_IO_RELEASED = 0.4
+# within WITHIN_S, and within DEBIAN_IO_T90_S for 90% of it: the I/O's
+# allocations leave part of the free in blocks below the reporting order,
+# which the series reports down to 64 KiB where most of the pageblock
+# around them is free (95% [94-98], 90% within 0.07-0.23 s in the
+# reclaim-io runs; down to 256 KiB, 90-92%, 90% after 1.1 s to never;
+# without pieces 55-69%: docs/results/page-reporting.md, reporting under
+# file I/O); without reporting nothing comes back
+DEBIAN_IO_RELEASED = 0.9
+DEBIAN_IO_T90_S = 1.0
 # the Debian guest's file I/O in its tests: 32 MiB/s in 4 MiB chunks
 DEBIAN_IO = ReclaimIoParams(io_mib_s=32, io_chunk_mib=4)
 
@@ -146,9 +150,10 @@ def test_debian_guest_doing_file_io_holds_no_report(lab):
     """File I/O moves page cache through the allocator at a few times its
     own rate but reuses nothing the guest freed: a free while the I/O runs
     must not hold the reporting passes behind it, and at least
-    DEBIAN_IO_RELEASED of it must be back within 5 s, the I/O still on."""
+    DEBIAN_IO_RELEASED of it must be back within 5 s (90% within
+    DEBIAN_IO_T90_S), the I/O still on."""
     held = f"cat {REPORTING_DIR}/held_passes"
-    fraction, _, booted = released_within(
+    fraction, t90, booted = released_within(
         lab, "qemu-debian", 1024, f"{io_functions(DEBIAN_IO)}\nio_start\nsleep 2",
         f"echo \"HELD before $({held})\"",
         f"echo \"HELD after $({held})\"\nio_stop")
@@ -161,6 +166,9 @@ def test_debian_guest_doing_file_io_holds_no_report(lab):
         f"({rates['io']:.1f} MiB/s)")
     assert fraction >= DEBIAN_IO_RELEASED, (
         f"only {fraction:.0%} of the free released within {WITHIN_S} s, the I/O running")
+    assert t90 is not None and t90 <= DEBIAN_IO_T90_S, (
+        f"90% of the free released {'never' if t90 is None else f'after {t90:.2f} s'}, "
+        f"not within {DEBIAN_IO_T90_S} s, the I/O running")
 
 
 # (knob, value, what the kernel must answer); the order is the module parameter
