@@ -138,6 +138,18 @@ class Guest:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def ends_within(self, timeout: float) -> bool:
+        """Whether the process has ended or ends within `timeout` s. A QEMU
+        closes its sockets while it exits: a lost QMP connection can come
+        before the process is gone."""
+        if self.proc is None:
+            return True
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     @property
     def pid(self) -> int:
         if self.proc is None:

@@ -36,7 +36,12 @@ import pytest
 
 from freepage_lab import harness, kernel
 from freepage_lab.runners import Qmp
-from freepage_lab.scenarios.migrate import Migrate, MigrateParams, free_port
+from freepage_lab.scenarios.migrate import (
+    Migrate,
+    MigrateParams,
+    destination_outcome,
+    free_port,
+)
 from freepage_lab.shell import LabError
 
 pytestmark = [
@@ -123,23 +128,7 @@ def test_a_prefilled_destination_ends_equal_to_the_source_or_refuses(lab,
                     outcome, error = "failed", str(exc)
                 # the source completes without a return path even where the
                 # destination refused the stream: ask the destination
-                deadline = time.monotonic() + 30
-                info: dict = {}
-                while dst.guest.alive():
-                    try:
-                        got = qd.execute("query-migrate")
-                    except LabError:
-                        # a destination that refused the stream exits: it
-                        # may go between the check above and the query
-                        if dst.guest.alive():
-                            raise
-                        break
-                    assert isinstance(got, dict)
-                    info = got
-                    if info.get("status") in ("completed", "failed"):
-                        break
-                    assert time.monotonic() < deadline, f"destination stuck: {info}"
-                    time.sleep(0.1)
+                info = destination_outcome(qd, dst.guest, 30) or {}
                 if dst.guest.alive() and info.get("status") == "completed":
                     qs.execute("pmemsave", val=0, size=MEM_MIB * MIB,
                                filename=str(lab.tmp_path / "src.mem"))

@@ -61,6 +61,7 @@ from pathlib import Path
 
 from .. import compilejob, guestshell, harness
 from ..context import RunContext
+from ..guest import Guest
 from ..initramfs import EVENT
 from ..procfs import host_available_mib
 from ..runners import Qmp, check_host_room, qcow2_overlay
@@ -237,6 +238,32 @@ def wait_status(qmp: Qmp, tag: str, done: tuple[str, ...], timeout_s: float,
             raise LabError(f"{tag}: migration did not complete in {timeout_s} s "
                            f"(last status {status})")
         time.sleep(0.05)
+
+
+# how long a QEMU whose QMP connection dropped may take to finish exiting
+EXIT_GRACE_S = 10
+
+
+def destination_outcome(qmp: Qmp, guest: Guest, timeout_s: float) -> dict | None:
+    """The destination's last query-migrate once its status is completed or
+    failed; None where it exited first (a destination that refuses the
+    stream exits). A connection lost to a process that has not ended
+    within EXIT_GRACE_S, or a status stuck past `timeout_s`, is an error."""
+    deadline = time.monotonic() + timeout_s
+    while guest.alive():
+        try:
+            info = qmp.execute("query-migrate")
+        except LabError:
+            if guest.ends_within(EXIT_GRACE_S):
+                return None
+            raise
+        assert isinstance(info, dict)
+        if info.get("status") in ("completed", "failed"):
+            return info
+        if time.monotonic() > deadline:
+            raise LabError(f"destination stuck: {info}")
+        time.sleep(0.1)
+    return None
 
 
 def compile_fields(tag: str, still: dict, migrated: dict, still_t0: float,
