@@ -144,11 +144,10 @@ def reporting_script(p: ScaleParams, mem_mib: int) -> str:
 def prezero_stop_at(mib: int) -> str:
     """Guest shell, in the background while pre-zeroing runs: turn it off
     once it marked `mib` more MiB zero (checked every second, so it may
-    clear up to a second's worth more), and say so. target_percent stops
-    it near there where the thread's count of known zero blocks reaches
-    the target; where it cannot (a target above what that count looks
-    at, 256 blocks per free list: 1 GiB of the largest order), the thread
-    would clear all free memory and the host back all of it."""
+    clear up to a second's worth more), and say so. target_percent is a
+    whole percent of the free memory, which at large sizes is far from
+    `mib`, and the thread stops at about 1 GiB per zone whatever the
+    target (what its count of known zero blocks looks at)."""
     count = zeroed_counter("pgzero_marked_prezero")
     on = f"{PREZERO_DIR}/enabled"
     return (f"( base=$({count}); while [ \"$(cat {on})\" = 1 ]; do sleep 1; "
