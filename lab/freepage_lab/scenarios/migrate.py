@@ -245,25 +245,17 @@ EXIT_GRACE_S = 10
 
 
 def destination_outcome(qmp: Qmp, guest: Guest, timeout_s: float) -> dict | None:
-    """The destination's last query-migrate once its status is completed or
-    failed; None where it exited first (a destination that refuses the
-    stream exits). A connection lost to a process that has not ended
-    within EXIT_GRACE_S, or a status stuck past `timeout_s`, is an error."""
-    deadline = time.monotonic() + timeout_s
-    while guest.alive():
-        try:
-            info = qmp.execute("query-migrate")
-        except LabError:
-            if guest.ends_within(EXIT_GRACE_S):
-                return None
-            raise
-        assert isinstance(info, dict)
-        if info.get("status") in ("completed", "failed"):
-            return info
-        if time.monotonic() > deadline:
-            raise LabError(f"destination stuck: {info}")
-        time.sleep(0.1)
-    return None
+    """The destination's query-migrate once its status is completed or
+    failed (wait_status()); None where it exited first (a destination that
+    refuses the stream exits). A connection lost to a process that has not
+    ended within EXIT_GRACE_S, or no outcome within `timeout_s`, is an
+    error."""
+    try:
+        return wait_status(qmp, "destination", ("completed", "failed"), timeout_s)
+    except LabError:
+        if guest.ends_within(EXIT_GRACE_S):
+            return None
+        raise
 
 
 def compile_fields(tag: str, still: dict, migrated: dict, still_t0: float,
