@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,6 +19,7 @@ from freepage_lab.scenarios.migrate import (
     MigrateParams,
     compile_fields,
     compile_report,
+    compile_result,
     guest_script,
 )
 from freepage_lab.shell import LabError
@@ -139,6 +141,40 @@ def test_one_boots_compiles_give_host_times_their_ratio_and_whether_the_migratio
     with pytest.raises(LabError, match="migrated compile failed"):
         compile_fields("t", record("still", 160.0, 59.0, 100.0),
                        record("migrated", 230.0, 66.0, 110.0, rc=2), 100.0, 164.0, 169.0, 180.0)
+
+
+class FakeEnd:
+    """A source or destination of compile_result(): its console's JSON
+    lines, the host times of its console marks; a wait for a line that
+    never comes times out, as Guest.wait_for() does."""
+
+    def __init__(self, records: list[dict], marks: dict[str, float] | None = None) -> None:
+        self.recs, self.marks = records, marks or {}
+        self.guest, self.booted = self, self
+
+    def records(self, prog: str) -> list[dict]:
+        return [r for r in self.recs if r["prog"] == prog]
+
+    def wait_for(self, pattern: str, timeout: float, start_index: int = 0):
+        for name, t in self.marks.items():
+            if name in pattern:
+                return 0, SimpleNamespace(t=t), None
+        if any(f'"tag":"{r["tag"]}"' in pattern for r in self.recs):
+            return 0, SimpleNamespace(t=0.0), None
+        raise LabError(f"timed out after {timeout} s waiting for {pattern}")
+
+
+@pytest.mark.parametrize("where", ["destination", "source"])
+def test_the_migrated_compiles_line_is_taken_from_the_end_that_printed_it(where) -> None:
+    # a compile that ended before the switchover printed its line on the
+    # source's console; the destination never prints it
+    still, migrated = record("still", 160.0, 59.0, 100.0), record("migrated", 170.0, 5.0, 10.0)
+    src = FakeEnd([still, *([migrated] if where == "source" else [])],
+                  {"compile-start still": 100.0, "compile-start migrated": 164.0})
+    dst = FakeEnd([migrated] if where == "destination" else [])
+    f = compile_result("t", src, dst, 900, migrate_t0=166.0, migrate_t1=175.0)
+    assert f["compile_migrated_host_s"] == 6.0
+    assert f["compile_covered"] is False
 
 
 def boots(migrated: list[float], still: float = 60.0) -> list[dict]:

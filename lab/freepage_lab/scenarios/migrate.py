@@ -285,14 +285,22 @@ def compile_fields(tag: str, still: dict, migrated: dict, still_t0: float,
 def compile_result(tag: str, src: harness.Running, dst: harness.Running, timeout_s: float,
                    migrate_t0: float, migrate_t1: float) -> dict:
     """compile_fields() of one boot: the still compile's line on the source's
-    console, the migrated one's on the destination's."""
+    console, the migrated one's on the destination's, or on the source's
+    where the compile ended before the switchover (called once the source
+    reported the migration completed)."""
     starts = {}
     for name in ("still", "migrated"):
         _, line, _ = src.guest.wait_for(rf"^{EVENT} compile-start {name}$", 30)
         starts[name] = line.t
-    dst.guest.wait_for(rf'^{{"prog":"{compilejob.PROG}","tag":"migrated"', timeout_s)
+
+    def migrated_lines(end: harness.Running) -> list[dict]:
+        return [r for r in end.booted.records(compilejob.PROG) if r.get("tag") == "migrated"]
+
+    migrated = migrated_lines(src)
+    if not migrated:
+        dst.guest.wait_for(rf'^{{"prog":"{compilejob.PROG}","tag":"migrated"', timeout_s)
+        migrated = migrated_lines(dst)
     still = [r for r in src.booted.records(compilejob.PROG) if r.get("tag") == "still"]
-    migrated = [r for r in dst.booted.records(compilejob.PROG) if r.get("tag") == "migrated"]
     if not still:
         raise src.booted.error(f"{tag}: no line of the still compile")
     return compile_fields(tag, still[-1], migrated[-1], starts["still"], starts["migrated"],
