@@ -201,6 +201,24 @@ def test_the_compile_report_gives_paired_slowdowns_and_the_variants_ratios() -> 
     assert list(data["variants"]) == ["no-hint"] and not data["ratios"]
 
 
+def test_the_compile_report_on_the_guests_clock_takes_the_guests_wall_time() -> None:
+    # host times of a loaded host: 1.1x slower migrated; the guest's own
+    # clock (-icount) says the compile's work grew by 1%
+    by_variant = {v: [compile_fields("t", record("still", 160.0, 50.0, 100.0),
+                                     record("migrated", 266.0, 50.5, 100.0), 100.0, 200.0,
+                                     204.0, 210.0) for _ in range(5)]
+                  for v in ("no-hint", "hint")}
+    data, rows = compile_report(["no-hint", "hint"], by_variant, "guest")
+    entry = data["variants"]["hint"]
+    assert entry["compile_migrated_wall_s"]["median"] == 50.5
+    assert "compile_migrated_host_s" not in entry
+    assert entry["slowdown"]["ratio"] == pytest.approx(1.01)
+    assert data["clock"] == "guest"
+    assert rows[0][1] == "50.00 [50.00-50.00]"
+    host, _ = compile_report(["no-hint", "hint"], by_variant)
+    assert host["variants"]["hint"]["slowdown"]["ratio"] == pytest.approx(1.1)
+
+
 def test_the_two_ends_share_one_writable_overlay_of_the_root_disk() -> None:
     args = QemuRunner.root_disk_args(Path("/r/m1-root.qcow2"), shared=True)
     assert args[1] == "file=/r/m1-root.qcow2,if=none,id=root,format=qcow2"
@@ -220,6 +238,16 @@ def test_migrate_compile_dry_run_boots_both_ends_on_one_overlay(capsys) -> None:
         ends = qemu[2 * n:2 * n + 2]
         assert all(f"file={path},if=none,id=root,format=qcow2" in ln for ln in ends)
         assert "-incoming defer" in ends[1] and "-incoming" not in ends[0]
+
+
+def test_migrate_with_icount_counts_guest_time_on_both_ends(capsys) -> None:
+    argv = [*dryrun.argv("migrate", "qemu-debian", ()), "--accel", "tcg", "--param",
+            "workloads=compile", "--param", "variants=hint", "--param", "rounds=1",
+            "--param", "icount=true"]
+    assert cli.main(argv) == 0
+    qemu = [ln for ln in capsys.readouterr().err.splitlines()
+            if "qemu-system-x86_64" in ln and "-kernel" in ln]
+    assert len(qemu) == 2 and all(ln.endswith("-icount shift=0,sleep=off") for ln in qemu)
 
 
 def test_the_compile_workload_needs_the_debian_guest(capsys) -> None:

@@ -28,7 +28,12 @@ compile_objs objects of Linux 6.12's mm/ with `make -j<compile_jobs>`
 and once with the migration starting compile_lead_s after the guest
 says ready, a second into it ("migrated"); each compile's wall time (GNU time in the guest, and on the
 host from its start to its JSON line on the console) and CPU time (user +
-system of make and its children).
+system of make and its children). With icount, both ends run QEMU TCG
+with -icount shift=0, and the compile's wall time is the guest's: it
+counts the instructions the vCPUs ran (and the idle time up to each
+timer), so it is the guest's work alone, the same on a loaded host and a
+quiet one; the host's threads of the migration and its downtime are not
+in it.
 
 A source on the patched QEMU switches over only after its first pass over
 RAM has ended, and does not send RAM that reads as zero on its side (never
@@ -136,6 +141,10 @@ class MigrateParams:
     compile_jobs: int = 2
     compile_lead_s: int = 4
     compile_timeout_s: int = 900
+    # QEMU TCG -icount on both ends: guest time counts the instructions
+    # the guest ran, so a compile's guest wall time is the guest's work,
+    # not the host's load (the migration's own threads included)
+    icount: bool = False
 
 
 def timeout(p: MigrateParams) -> int:
@@ -276,6 +285,8 @@ def compile_fields(tag: str, still: dict, migrated: dict, still_t0: float,
         out[f"compile_{name}_cpu_s"] = float(rec["user_s"]) + float(rec["sys_s"])
         out[f"compile_{name}_host_s"] = rec["_t"] - t0
     out["compile_slowdown"] = out["compile_migrated_host_s"] / out["compile_still_host_s"]
+    out["compile_guest_slowdown"] = (out["compile_migrated_wall_s"]
+                                     / out["compile_still_wall_s"])
     out["compile_cpu_ratio"] = out["compile_migrated_cpu_s"] / out["compile_still_cpu_s"]
     out["migrate_into_compile_s"] = migrate_t0 - migrated_t0
     out["compile_covered"] = migrated["_t"] > migrate_t1
@@ -307,35 +318,46 @@ def compile_result(tag: str, src: harness.Running, dst: harness.Running, timeout
                           migrate_t0, migrate_t1)
 
 
-# the compile's metrics per variant: (key, column)
-COMPILE_METRICS = (("compile_still_host_s", "still s"), ("compile_migrated_host_s", "migrated s"),
-                   ("compile_still_cpu_s", "still CPU s"),
-                   ("compile_migrated_cpu_s", "migrated CPU s"))
+# the compile's metrics per variant: (key, column), wall time on the host's
+# clock, or on the guest's (-icount: the instructions the guest ran)
+CPU_METRICS = (("compile_still_cpu_s", "still CPU s"), ("compile_migrated_cpu_s", "migrated CPU s"))
+COMPILE_METRICS = {
+    "host": (("compile_still_host_s", "still s"), ("compile_migrated_host_s", "migrated s"),
+             *CPU_METRICS),
+    "guest": (("compile_still_wall_s", "still guest s"),
+              ("compile_migrated_wall_s", "migrated guest s"), *CPU_METRICS),
+}
+# each clock's migrated/still ratio of one boot (compile_fields())
+SLOWDOWN = {"host": "compile_slowdown", "guest": "compile_guest_slowdown"}
 
 
-def compile_report(names: list[str], by_variant: dict[str, list[dict]]) -> tuple[dict, list]:
+def compile_report(names: list[str], by_variant: dict[str, list[dict]],
+                   clock: str = "host") -> tuple[dict, list]:
     """The compile's figures over the boots of each variant: medians
-    [p25-p75] of COMPILE_METRICS, the paired migrated/still ratios of wall
-    (host) and CPU time (median with a bootstrap interval), how many
+    [p25-p75] of COMPILE_METRICS[clock], the paired migrated/still ratios
+    of wall and CPU time (median with a bootstrap interval), how many
     migrations ended inside the compile; and for each pair of RATIOS the
-    ratio of the variants' medians. Returns (data, table rows)."""
-    data: dict = {"variants": {}, "ratios": {}}
+    ratio of the variants' medians. `clock`: "host" (wall time on the
+    host) or "guest" (the guest's own, which under -icount counts its
+    instructions). Returns (data, table rows)."""
+    metrics = COMPILE_METRICS[clock]
+    data: dict = {"clock": clock, "variants": {}, "ratios": {}}
     rows: list[list[str]] = []
     for v in names:
         recs = [r for r in by_variant.get(v, []) if "compile_still_host_s" in r]
         if not recs:
             continue
         entry: dict = {k: summarise([float(r[k]) for r in recs]).as_dict()
-                       for k, _ in COMPILE_METRICS}
+                       for k, _ in metrics}
         # a ratio of each boot's own two compiles: the median of those,
         # bootstrapped (against a side of ones, whose median stays 1)
-        for key, paired in (("compile_slowdown", "slowdown"), ("compile_cpu_ratio", "cpu_ratio")):
+        for key, paired in ((SLOWDOWN[clock], "slowdown"), ("compile_cpu_ratio", "cpu_ratio")):
             xs = [float(r[key]) for r in recs]
             entry[paired] = median_ratio([1.0] * len(xs), xs).as_dict()
         entry["covered"] = sum(1 for r in recs if r["compile_covered"])
         data["variants"][v] = entry
-        rows.append([v, *(f"{entry[k]['median']:.1f} [{entry[k]['p25']:.1f}-{entry[k]['p75']:.1f}]"
-                          for k, _ in COMPILE_METRICS),
+        rows.append([v, *(f"{entry[k]['median']:.2f} [{entry[k]['p25']:.2f}-{entry[k]['p75']:.2f}]"
+                          for k, _ in metrics),
                      fmt_ratio(entry["slowdown"]), fmt_ratio(entry["cpu_ratio"]),
                      f"{entry['covered']}/{len(recs)}"])
     for a, b in RATIOS:
@@ -343,15 +365,16 @@ def compile_report(names: list[str], by_variant: dict[str, list[dict]]) -> tuple
             continue
         ratios = {k: median_ratio([float(r[k]) for r in by_variant[b] if k in r],
                                   [float(r[k]) for r in by_variant[a] if k in r]).as_dict()
-                  for k, _ in COMPILE_METRICS}
+                  for k, _ in metrics}
         data["ratios"][f"{a}/{b}"] = ratios
-        rows.append([f"{a}/{b}", *(fmt_ratio(ratios[k]) for k, _ in COMPILE_METRICS),
+        rows.append([f"{a}/{b}", *(fmt_ratio(ratios[k]) for k, _ in metrics),
                      "", "", ""])
     return data, rows
 
 
-COMPILE_HEADER = ["variant", *(c for _, c in COMPILE_METRICS), "migrated/still",
-                  "CPU migrated/still", "migration inside"]
+def compile_header(clock: str) -> list[str]:
+    return ["variant", *(c for _, c in COMPILE_METRICS[clock]), "migrated/still",
+            "CPU migrated/still", "migration inside"]
 
 
 class Migrate(Scenario):
@@ -394,7 +417,7 @@ class Migrate(Scenario):
         harness.runner(ctx, variant)
         plan = self.plan(p, guest_script(p, workload, variant.reporting),
                          f"migrate-{workload}-{'flush' if variant.reporting else 'resident'}",
-                         cpu=p.cpu or None, smp=p.smp, footprint_s=1.0,
+                         cpu=p.cpu or None, smp=p.smp, footprint_s=1.0, icount=p.icount,
                          timeout_s=max(timeout(p), p.compile_timeout_s)
                          if workload == "compile" else timeout(p))
         port = free_port()
@@ -536,6 +559,8 @@ class Migrate(Scenario):
             if getattr(params, name) < least:
                 raise LabError(f"migrate: {name} must be at least {least}, not "
                                f"{getattr(params, name)}")
+        if params.icount:
+            harness.check_icount(ctx, self.name)
         variants = harness.pick(self.name, "migrate", params.variants)
         if not ctx.shell.dry_run:
             # both ends at once, each writing its memmap and the fill
@@ -604,7 +629,8 @@ class Migrate(Scenario):
                              "", fmt_ratio(ratios["workload_rate"])
                              if "workload_rate" in ratios else "", ""])
             if w == "compile":
-                entry["compile"], compile_rows[f"{mode}/{w}"] = compile_report(names, by_variant)
+                entry["compile"], compile_rows[f"{mode}/{w}"] = compile_report(
+                    names, by_variant, "guest" if params.icount else "host")
             data["cells"][f"{mode}/{w}"] = entry
         text = (f"migrate ({ctx.platform}, guest {params.mem_mib} MiB, {params.fill_mib} MiB "
                 f"filled then freed, loopback, downtime-limit {params.downtime_limit_ms} ms; "
@@ -619,9 +645,13 @@ class Migrate(Scenario):
             text += (f"\n\ncompile during the migration ({cell}: {params.compile_objs or 'all'} "
                      f"objects of Linux 6.12 mm/, make -j{params.compile_jobs}, {params.smp} "
                      f"vCPUs; the migration starts {params.compile_lead_s} s after the guest's ready, "
-                     "which follows the migrated compile's start by about 1 s; wall seconds "
-                     "on the host, CPU = user + system in the guest; "
+                     "which follows the migrated compile's start by about 1 s; "
+                     + ("wall seconds of guest time, which -icount counts in instructions "
+                        "(1 s: 1e9 instructions of the vCPUs), so neither the host's load nor "
+                        "the downtime is in them"
+                        if params.icount else "wall seconds on the host")
+                     + ", CPU = user + system in the guest; "
                      "median [p25-p75], ratios with their bootstrap interval)\n"
-                     + table(COMPILE_HEADER, crows))
+                     + table(compile_header("guest" if params.icount else "host"), crows))
         ctx.save("migrate", data)
         return Outcome(self.name, data, text)
