@@ -304,14 +304,14 @@ def compile_result(tag: str, src: harness.Running, dst: harness.Running, timeout
         _, line, _ = src.guest.wait_for(rf"^{EVENT} compile-start {name}$", 30)
         starts[name] = line.t
 
-    def migrated_lines(end: harness.Running) -> list[dict]:
-        return [r for r in end.booted.records(compilejob.PROG) if r.get("tag") == "migrated"]
+    def lines(end: harness.Running, tag: str) -> list[dict]:
+        return [r for r in end.booted.records(compilejob.PROG) if r.get("tag") == tag]
 
-    migrated = migrated_lines(src)
+    migrated = lines(src, "migrated")
     if not migrated:
         dst.guest.wait_for(rf'^{{"prog":"{compilejob.PROG}","tag":"migrated"', timeout_s)
-        migrated = migrated_lines(dst)
-    still = [r for r in src.booted.records(compilejob.PROG) if r.get("tag") == "still"]
+        migrated = lines(dst, "migrated")
+    still = lines(src, "still")
     if not still:
         raise src.booted.error(f"{tag}: no line of the still compile")
     return compile_fields(tag, still[-1], migrated[-1], starts["still"], starts["migrated"],
@@ -600,6 +600,7 @@ class Migrate(Scenario):
         data: dict = {"platform": ctx.platform, "params": asdict(params), "cells": {}}
         rows: list[list[str]] = []
         compile_rows: dict[str, list] = {}
+        clock = "guest" if params.icount else "host"
         metrics = ("total_time_ms", "downtime_ms", "transferred_mib", "used_mib",
                    "workload_rate")
         for (mode, w), by_variant in results.items():
@@ -630,7 +631,7 @@ class Migrate(Scenario):
                              if "workload_rate" in ratios else "", ""])
             if w == "compile":
                 entry["compile"], compile_rows[f"{mode}/{w}"] = compile_report(
-                    names, by_variant, "guest" if params.icount else "host")
+                    names, by_variant, clock)
             data["cells"][f"{mode}/{w}"] = entry
         text = (f"migrate ({ctx.platform}, guest {params.mem_mib} MiB, {params.fill_mib} MiB "
                 f"filled then freed, loopback, downtime-limit {params.downtime_limit_ms} ms; "
@@ -652,6 +653,6 @@ class Migrate(Scenario):
                         if params.icount else "wall seconds on the host")
                      + ", CPU = user + system in the guest; "
                      "median [p25-p75], ratios with their bootstrap interval)\n"
-                     + table(compile_header("guest" if params.icount else "host"), crows))
+                     + table(compile_header(clock), crows))
         ctx.save("migrate", data)
         return Outcome(self.name, data, text)
